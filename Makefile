@@ -1,0 +1,66 @@
+# vllm-afd: the two commands a newcomer needs are `make demo` and `make test`.
+# Everything below them (environment, vendoring, wheel, models) is built on demand.
+
+FLAVOR ?= cpu
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+MODELS := build/models
+
+# CPU-friendly vLLM settings for every command run from here.
+export HF_HUB_OFFLINE := 1
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export VLLM_CACHE_ROOT := $(CURDIR)/build/vllm-cache
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+AFD_SOURCES := $(shell git ls-files vllm/afd csrc patches) setup.py pyproject.toml upstream.toml \
+	tools/vendor.py tools/series.py tools/upstream.py
+WHEEL_STAMP := build/.installed-$(FLAVOR)
+
+.PHONY: demo test env vendor wheel install models check-series docs clean quilt-help
+
+demo: $(WHEEL_STAMP) models
+	$(PY) tools/demo.py --models $(MODELS)
+
+test: $(WHEEL_STAMP) models
+	$(VENV)/bin/pytest -q
+
+env: $(VENV)/.stamp
+$(VENV)/.stamp: requirements/dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -r requirements/dev.txt
+	@command -v quilt >/dev/null || (command -v apt-get >/dev/null && \
+		(apt-get install -y -qq quilt >/dev/null 2>&1 || \
+		 (apt-get update -qq && apt-get install -y -qq quilt >/dev/null 2>&1)) || \
+		echo "note: quilt not installed; vendoring falls back to GNU patch")
+	touch $@
+
+vendor: env
+	$(PY) tools/vendor.py --flavor $(FLAVOR) $(if $(FORCE),--force)
+
+wheel: env
+	VLLM_AFD_FLAVOR=$(FLAVOR) $(PIP) wheel . --no-deps --no-build-isolation -w dist/
+
+# Install the freshly built wheel into the venv (with its requirements), the way
+# a user installs it. Rebuilt only when our sources or the pin change.
+install: $(WHEEL_STAMP)
+$(WHEEL_STAMP): $(VENV)/.stamp $(AFD_SOURCES)
+	rm -f dist/vllm_afd-*.$(FLAVOR)-*.whl
+	VLLM_AFD_FLAVOR=$(FLAVOR) $(PIP) wheel . --no-deps --no-build-isolation -w dist/ -q
+	$(PIP) install -q dist/vllm_afd-*.$(FLAVOR)-*.whl
+	$(PIP) install -q --force-reinstall --no-deps dist/vllm_afd-*.$(FLAVOR)-*.whl
+	@mkdir -p build && touch $@
+
+models: $(VENV)/.stamp
+	$(PY) tools/make_tiny_models.py --out $(MODELS)
+
+check-series: env
+	$(PY) tools/check_series.py
+
+docs: env
+	$(PY) tools/check_series.py --write-docs
+
+clean:
+	rm -rf build dist .vendor .pc .pc-* *.egg-info
+	find vllm -mindepth 1 -maxdepth 1 ! -name afd -exec rm -rf {} +

@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""Shared fixtures. Tests run against the *installed* vllm-afd wheel (make test
+installs it), never against the repository's vendored vllm/ tree."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO / "build" / "vllm-cache"))
+
+
+def pytest_configure(config):
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and Path(spec.origin).resolve().is_relative_to(REPO / "vllm"):
+        raise pytest.UsageError(
+            "tests must import the installed vllm-afd wheel, not the repository's vllm/ "
+            "tree; run them with `make test` (or .venv/bin/pytest from the repository root)")
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def models_dir() -> Path:
+    from make_tiny_models import make_models
+
+    out = REPO / "build" / "models"
+    make_models(out)  # no-op when the stamps match
+    return out

@@ -1,0 +1,108 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""Start, probe and stop `vllm serve` processes (used by the demo, tests, benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_bin() -> str:
+    """The `vllm` console script of the running interpreter's environment."""
+    return str(Path(sys.executable).parent / "vllm")
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+class Server:
+    """One `vllm serve` process in its own session, logging to a file."""
+
+    def __init__(self, model: str, args: list[str] | None = None, *, port: int | None = None,
+                 log_path: Path, env: dict[str, str] | None = None, name: str = "vllm"):
+        self.port = port or free_port()
+        self.cmd = [vllm_bin(), "serve", model, "--host", "127.0.0.1", "--port",
+                    str(self.port), *(args or [])]
+        self.log_path = Path(log_path)
+        self.env = dict(os.environ, **(env or {}))
+        self.name = name
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Server:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=self.env,
+                                     start_new_session=True)
+        log.close()
+        return self
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return ""
+
+    def wait_ready(self, timeout: float = 240.0) -> float:
+        """Poll /health until it answers 200; return the seconds it took."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before "
+                                   f"becoming ready; log tail:\n{self.log_tail()}")
+            try:
+                if http_get(self.url + "/health", timeout=2)[0] == 200:
+                    return time.monotonic() - t0
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s; log tail:\n"
+                           f"{self.log_tail()}")
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM the whole process group, SIGKILL after timeout; return the exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        # Children (EngineCore, workers) share the group; reap stragglers.
+        try:
+            os.killpg(self.proc.pid, 0)
+            time.sleep(2)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return self.proc.returncode
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
