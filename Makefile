@@ -18,7 +18,7 @@ AFD_SOURCES := $(shell git ls-files vllm/afd csrc patches) setup.py pyproject.to
 	tools/vendor.py tools/series.py tools/upstream.py
 WHEEL_STAMP := build/.installed-$(FLAVOR)
 
-.PHONY: demo test env vendor wheel install models check-series docs clean quilt-help
+.PHONY: demo test dev-test env vendor wheel install models check-series docs clean
 
 demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
@@ -53,7 +53,14 @@ $(WHEEL_STAMP): $(VENV)/.stamp $(AFD_SOURCES)
 	@mkdir -p build && touch $@
 
 models: $(VENV)/.stamp
-	$(PY) tools/make_tiny_models.py --out $(MODELS)
+	$(PY) tools/make_tiny_models.py --out $(MODELS) --models tiny
+
+# Fast loop while developing vllm/afd: test the vendored tree in place (the
+# installed wheel still provides the distribution metadata and requirements).
+dev-test: $(WHEEL_STAMP) models
+	$(PY) tools/vendor.py --flavor $(FLAVOR)
+	VLLM_AFD_FLAVOR=$(FLAVOR) $(PY) setup.py -q build_ext --inplace
+	VLLM_AFD_TEST_SOURCE_TREE=1 PYTHONPATH=$(CURDIR) $(VENV)/bin/pytest -q $(ARGS)
 
 check-series: env
 	$(PY) tools/check_series.py

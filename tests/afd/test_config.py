@@ -1,0 +1,99 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""AFDConfig: CLI flags, afd-plugin's --additional-config form, validation, hashing."""
+
+import subprocess
+import sys
+
+import pytest
+
+from vllm.afd.config import AFDConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+
+MODEL = None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _model(models_dir):
+    # EngineArgs resolves its model at construction: give it a local one.
+    global MODEL
+    MODEL = str(models_dir / "tiny-qwen3-moe")
+
+
+def parse(*argv: str) -> EngineArgs:
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    return EngineArgs.from_cli_args(parser.parse_args(["--model", MODEL, *argv]))
+
+
+def afd_of(args: EngineArgs) -> AFDConfig | None:
+    return AFDConfig.from_cli(args.afd_config, args.afd_role, args.additional_config)
+
+
+def test_afd_off_by_default():
+    assert afd_of(parse()) is None
+
+
+def test_cli_role_and_json():
+    cfg = afd_of(parse("--afd-role", "ffn", "--afd-config",
+                       '{"host": "127.0.0.2", "port": 7800, "connector": "tcp", "timeout_s": 5}'))
+    assert (cfg.role, cfg.host, cfg.port, cfg.connector, cfg.timeout_s) == (
+        "ffn", "127.0.0.2", 7800, "tcp", 5.0)
+    assert cfg.is_ffn and not cfg.is_attention
+
+
+def test_role_flag_overrides_json():
+    cfg = afd_of(parse("--afd-config", '{"role": "ffn"}', "--afd-role", "attention"))
+    assert cfg.role == "attention"
+
+
+def test_afd_plugin_additional_config_is_mapped():
+    cfg = afd_of(parse("--additional-config", '{"afd": {"afd_role": "ffn", "afd_port": 1239, '
+                       '"connector": "P2pNcclAFDConnector", "num_attention_ranks": 2, '
+                       '"compute_gate_on_attention": "true", "connector_extra_config": {}}}'))
+    assert (cfg.role, cfg.port, cfg.connector, cfg.num_attention_ranks, cfg.gate_on) == (
+        "ffn", 1239, "nccl", 2, "attention")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--afd-config", '{"role": "decoder"}'], "role\n  Input should be 'attention' or 'ffn'"),
+    (["--afd-config", '{"connector": "rdma"}'],
+     "connector\n  Input should be 'shm', 'tcp', 'loopback' or 'nccl'"),
+    (["--afd-config", '{"port": 70000}'], "AFDConfig.port: 70000 is not in 1-65535"),
+    (["--afd-config", '{"num_ubatches": 5}'], "AFDConfig.num_ubatches: 5 is not in 1-4"),
+    (["--afd-config", '{"num_ffn_ranks": 0}'], "AFDConfig.num_ffn_ranks: must be >= 1"),
+    (["--afd-config", '{"timeout_s": 0}'], "AFDConfig.timeout_s: must be > 0"),
+    (["--afd-config", '{"prot": 1}'], "unknown key(s) ['prot']; valid keys:"),
+    (["--additional-config", '{"afd": {"role": "ffn", "afd_role": "ffn"}}'], "given twice"),
+    (["--additional-config", '{"afd": {"async": true}}'], "unknown key 'async'"),
+])
+def test_invalid_values_name_the_field(argv, message):
+    with pytest.raises(ValueError, match=None) as e:
+        afd_of(parse(*argv))
+    assert message in str(e.value)
+
+
+def test_bad_cli_values_fail_at_parse_time():
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--afd-role", "bogus"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--afd-config", "{not json"])
+
+
+def test_hash_covers_only_graph_factors():
+    base = AFDConfig()
+    assert base.compute_hash() == AFDConfig(port=9000, host="10.0.0.1", connector="tcp",
+                                            timeout_s=3).compute_hash()
+    assert base.compute_hash() != AFDConfig(role="ffn").compute_hash()
+    assert base.compute_hash() != AFDConfig(num_ubatches=2).compute_hash()
+    assert base.compute_hash() != AFDConfig(gate_on="attention").compute_hash()
+
+
+def test_serve_help_shows_the_afd_group():
+    out = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve",
+                          "--help=AFDConfig"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--afd-role {attention,ffn}" in out.stdout
+    assert "Attention-FFN Disaggregation" in out.stdout

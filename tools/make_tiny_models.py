@@ -1,0 +1,303 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""Generate tiny random-weight HF checkpoints for offline tests and benchmarks.
+
+    python tools/make_tiny_models.py --out DIR [--seed 0] [--models all]
+                                     [--dtype bfloat16|float32]
+
+With a fixed torch/tokenizers/transformers install, the output is a pure
+function of (seed, dtype, GENERATOR_VERSION): the same arguments give
+byte-identical files. No network access is needed.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Bump whenever the output for a given seed changes, so stale dirs regenerate.
+GENERATOR_VERSION = 1
+STAMP = "tiny_model_stamp.json"
+VOCAB = 1024
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_QWEN3_MOE = dict(
+    arch="Qwen3MoeForCausalLM", num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, decoder_sparse_step=1, norm_topk_prob=True,
+)
+_MLA = dict(
+    num_hidden_layers=3, hidden_size=128, intermediate_size=256,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+    kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+    moe_intermediate_size=64, first_k_dense_replace=1,
+)
+SPECS = {
+    "tiny-qwen3-moe": dict(
+        _QWEN3_MOE, num_hidden_layers=4, hidden_size=128, intermediate_size=256,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+    ),
+    "tiny-deepseek-v2": dict(
+        _MLA, arch="DeepseekV2ForCausalLM", topk_method="greedy",
+        n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
+    ),
+    # transformers' DeepseekV3Config has no topk_method/scoring_func, but vLLM
+    # only creates gate.e_score_correction_bias for topk_method == "noaux_tc".
+    "tiny-deepseek-v3": dict(
+        _MLA, arch="DeepseekV3ForCausalLM", topk_method="noaux_tc",
+        scoring_func="sigmoid", num_nextn_predict_layers=0, n_group=2,
+        topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+    ),
+    # A shrunken Qwen3-30B-A3B (hidden 2048, head_dim 128, 4 KV heads), sized
+    # so that on a 2-core CPU an eager decode step is mostly GEMM time, not
+    # per-layer Python overhead (~2/3 at batch 1, ~4/5 at batch 32), within
+    # ~750 MiB of bf16 weights. Smaller hidden sizes were overhead-bound.
+    "bench-qwen3-moe": dict(
+        _QWEN3_MOE, num_hidden_layers=8, hidden_size=2048, intermediate_size=4096,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=384,
+    ),
+}
+TINY = [n for n in SPECS if n.startswith("tiny-")]
+
+
+def _corpus() -> str:
+    # Generated rather than read from disk so the tokenizer does not depend on
+    # which packages happen to be installed.
+    words = (
+        "the a an of to and in is it that for on with as was by at from this be are or not have "
+        "has had but which one all they you we he she his her their there were been will would "
+        "can could should may might must model token layer expert attention router weight cache "
+        "batch decode prefill request server client engine worker tensor shape kernel memory "
+        "device python json config vocab merge byte number value time step loop queue index "
+        "offset length size first last next small large random seed test check pass fail error "
+        "result output input hello world question answer user assistant system message"
+    ).split()
+    lines = []
+    n = len(words)
+    for i in range(1500):
+        # A fixed stride walk over the word list gives varied n-grams cheaply.
+        k = 4 + i % 9
+        sent = " ".join(words[(i * 7 + j * (i % 13 + 1)) % n] for j in range(k))
+        lines.append(sent.capitalize() + (".", "?", "!", ",")[i % 4])
+    lines += [f"{i} + {i * 3 % 97} = {i + i * 3 % 97}" for i in range(300)]
+    lines += [f"def f_{i}(x, y={i}):\n    return [x * y for _ in range({i % 7})]\n"
+              for i in range(100)]
+    lines.append("{\"key\": [1, 2, 3], \"ok\": true, \"none\": null}\t<tag/>")
+    return "\n".join(lines)
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus().split("\n"), trainer=trainer)
+    assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
+    assert tok.token_to_id(SPECIALS[0]) == 0
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=SPECIALS[0], eos_token=SPECIALS[0],
+        pad_token=SPECIALS[0], additional_special_tokens=SPECIALS[1:],
+        model_max_length=2048, chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_config(name: str) -> dict:
+    import transformers
+
+    spec = dict(SPECS[name])
+    arch = spec.pop("arch")
+    cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    cfg = cls(
+        vocab_size=VOCAB, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        hidden_act="silu", tie_word_embeddings=False, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0, architectures=[arch], **spec,
+    )
+    d = cfg.to_dict()
+    for k, v in spec.items():
+        # Aliased keys (num_experts -> num_local_experts in transformers 5) are
+        # written under both names so older loaders and vLLM both find them.
+        assert getattr(cfg, k) == v, f"{name}: config dropped {k}"
+        d[k] = v
+    return d
+
+
+def weight_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Checkpoint tensor names (HF layout vLLM loads) -> (shape, init kind)."""
+    h, nl = cfg["hidden_size"], cfg["num_hidden_layers"]
+    out = {
+        "model.embed_tokens.weight": ((VOCAB, h), "normal"),
+        "model.norm.weight": ((h,), "ones"),
+        "lm_head.weight": ((VOCAB, h), "normal"),
+    }
+    mla = "kv_lora_rank" in cfg
+    for i in range(nl):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = ((h,), "ones")
+        out[p + "post_attention_layernorm.weight"] = ((h,), "ones")
+        a = p + "self_attn."
+        nh = cfg["num_attention_heads"]
+        if mla:
+            r, nope = cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"]
+            kvr, vd = cfg["kv_lora_rank"], cfg["v_head_dim"]
+            out[a + "q_proj.weight"] = ((nh * (nope + r), h), "normal")
+            out[a + "kv_a_proj_with_mqa.weight"] = ((kvr + r, h), "normal")
+            out[a + "kv_a_layernorm.weight"] = ((kvr,), "ones")
+            out[a + "kv_b_proj.weight"] = ((nh * (nope + vd), kvr), "normal")
+            out[a + "o_proj.weight"] = ((h, nh * vd), "normal")
+            n_exp = cfg["n_routed_experts"]
+            sparse = i >= cfg["first_k_dense_replace"]
+        else:
+            hd, nkv = cfg["head_dim"], cfg["num_key_value_heads"]
+            out[a + "q_proj.weight"] = ((nh * hd, h), "normal")
+            out[a + "k_proj.weight"] = ((nkv * hd, h), "normal")
+            out[a + "v_proj.weight"] = ((nkv * hd, h), "normal")
+            out[a + "o_proj.weight"] = ((h, nh * hd), "normal")
+            out[a + "q_norm.weight"] = ((hd,), "ones")
+            out[a + "k_norm.weight"] = ((hd,), "ones")
+            n_exp = cfg["num_experts"]
+            sparse = (i + 1) % cfg["decoder_sparse_step"] == 0
+        m = p + "mlp."
+        mlps = []
+        if sparse:
+            mi = cfg["moe_intermediate_size"]
+            out[m + "gate.weight"] = ((n_exp, h), "normal")
+            if cfg.get("topk_method") == "noaux_tc":
+                out[m + "gate.e_score_correction_bias"] = ((n_exp,), "bias")
+            mlps += [(f"{m}experts.{e}.", mi) for e in range(n_exp)]
+            if cfg.get("n_shared_experts"):
+                mlps.append((m + "shared_experts.", mi * cfg["n_shared_experts"]))
+        else:
+            mlps.append((m, cfg["intermediate_size"]))
+        for q, inter in mlps:
+            out[q + "gate_proj.weight"] = ((inter, h), "normal")
+            out[q + "up_proj.weight"] = ((inter, h), "normal")
+            out[q + "down_proj.weight"] = ((h, inter), "normal")
+    return out
+
+
+def make_tensor(seed: int, key: str, shape, kind: str, dtype):
+    import torch
+
+    if kind == "ones":
+        return torch.ones(shape, dtype=dtype)
+    # One generator per tensor, keyed by model and tensor name: adding or
+    # reordering tensors never changes the others, and models sharing tensor
+    # names (deepseek v2/v3) still get independent weights.
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    t = torch.randn(shape, generator=g, dtype=torch.float32) * 0.02
+    # The correction bias is a float32 parameter in vLLM (and real ckpts).
+    return t if kind == "bias" else t.to(dtype)
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def make_models(out_dir, names=None, seed: int = 0, dtype: str = "bfloat16",
+                verbose: bool = False) -> dict[str, Path]:
+    """Generate (or reuse) the named models under out_dir; return name -> dir."""
+    import torch
+    from safetensors.torch import save_file
+
+    names = list(SPECS) if names is None else list(names)
+    unknown = [n for n in names if n not in SPECS]
+    if unknown:
+        raise ValueError(f"unknown models {unknown}; choose from {list(SPECS)}")
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = {"generator_version": GENERATOR_VERSION, "seed": seed, "dtype": dtype}
+    result, tok = {}, None
+
+    def fresh(d: Path) -> bool:
+        st = d / STAMP
+        return st.exists() and json.loads(st.read_text()) == dict(stamp, name=d.name)
+
+    for name in names:
+        d = result[name] = out_dir / name
+        if fresh(d):
+            if verbose:
+                print(f"skip  {name}: {d} (stamp matches)")
+            continue
+        t0 = time.perf_counter()
+        if tok is None:
+            tok = build_tokenizer()
+        # Build in a sibling temp dir and rename, so an interrupted run never
+        # leaves a half-written model that looks complete.
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=out_dir))
+        try:
+            tok.save_pretrained(tmp)
+            cfg = build_config(name)
+            cfg["dtype"] = dtype
+            _write_json(tmp / "config.json", cfg)
+            _write_json(tmp / "generation_config.json",
+                        {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0})
+            tensors = {
+                k: make_tensor(seed, f"{name}/{k}", shape, kind, torch_dtype)
+                for k, (shape, kind) in sorted(weight_shapes(cfg).items())
+            }
+            save_file(tensors, str(tmp / "model.safetensors"),
+                      metadata={"format": "pt"})
+            _write_json(tmp / STAMP, dict(stamp, name=name))
+            # mkdtemp and safetensors create owner-only modes; loosen them so
+            # the checkpoint is readable from containers running as other uids.
+            tmp.chmod(0o755)
+            for f in tmp.iterdir():
+                f.chmod(0o644)
+            if fresh(d):  # a concurrent run finished it first; keep theirs
+                shutil.rmtree(tmp)
+            else:
+                shutil.rmtree(d, ignore_errors=True)
+                tmp.rename(d)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if verbose:
+            n_par = sum(t.numel() for t in tensors.values())
+            size = (d / "model.safetensors").stat().st_size / 2**20
+            print(f"wrote {name}: {d} ({len(tensors)} tensors, "
+                  f"{n_par / 1e6:.1f}M params, {size:.1f} MiB, "
+                  f"{time.perf_counter() - t0:.1f}s)")
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--models", default="all",
+                    help=f"all, tiny, or comma list of {','.join(SPECS)}")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = ap.parse_args(argv)
+    sel = {"all": list(SPECS), "tiny": TINY}.get(args.models)
+    sel = sel or [s.strip() for s in args.models.split(",") if s.strip()]
+    make_models(args.out, sel, seed=args.seed, dtype=args.dtype, verbose=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""AFDConfig: the role of this server and how it reaches its attention/FFN peers.
+
+How to add a field: give it a default and an attribute docstring (it becomes the
+`--afd-config` help text), validate it in __post_init__ naming the valid choices,
+and add it to compute_hash() only if it changes the computation graph.
+"""
+
+import json
+from dataclasses import field, fields
+from typing import Any, Literal
+
+from pydantic import ConfigDict
+from pydantic.dataclasses import dataclass
+
+from vllm.utils.hashing import safe_hash
+
+AFDRole = Literal["attention", "ffn"]
+AFDConnectorName = Literal["shm", "tcp", "loopback", "nccl"]
+AFDGatePlacement = Literal["ffn", "attention"]
+MAX_UBATCHES = 4
+
+# Keys of afd-plugin's `--additional-config '{"afd": {...}}'` and their aliases,
+# mapped onto our fields so its users' recipes work unchanged.
+_PLUGIN_KEYS = {
+    "connector": "connector",
+    "afd_connector": "connector",
+    "role": "role",
+    "afd_role": "role",
+    "host": "host",
+    "afd_host": "host",
+    "port": "port",
+    "afd_port": "port",
+    "num_attention_ranks": "num_attention_ranks",
+    "num_ffn_ranks": "num_ffn_ranks",
+    "compute_gate_on_attention": "gate_on",
+    "connector_extra_config": "connector_extra_config",
+}
+# afd-plugin's connector names for the transports we implement.
+_PLUGIN_CONNECTORS = {"P2pNcclAFDConnector": "nccl", "p2pconnector": "nccl",
+                      "dummy": "loopback"}
+
+
+# NOTE: this is what vllm.config.utils.config does (a pydantic dataclass that
+# forbids unknown fields), spelled out because VllmConfig imports this module:
+# importing vllm.config.utils from here would import vllm.config first, a cycle.
+@dataclass(config=ConfigDict(extra="forbid"))
+class AFDConfig:
+    """Attention-FFN Disaggregation (AFD): the attention role serves the API and runs
+    attention; every decoder layer's MLP/MoE runs on the FFN role."""
+
+    role: AFDRole = "attention"
+    """This server's role: 'attention' (API, scheduler, KV cache, attention layers)
+    or 'ffn' (runs each layer's MLP/MoE for its attention peers)."""
+
+    connector: AFDConnectorName = "shm"
+    """Transport between the roles: 'shm' (same host, shared memory), 'tcp' (across
+    hosts), 'loopback' (in-process, tests) or 'nccl' (CUDA point-to-point)."""
+
+    host: str = "127.0.0.1"
+    """Address the FFN server listens on and attention servers connect to."""
+
+    port: int = 7700
+    """Port of the FFN server's rendezvous socket (1-65535)."""
+
+    num_attention_ranks: int = 1
+    """Total number of attention worker ranks feeding the FFN servers."""
+
+    num_ffn_ranks: int = 1
+    """Total number of FFN worker ranks."""
+
+    num_ubatches: int = 1
+    """Micro-batches per step, pipelined so attention overlaps the FFN round trip
+    (1 to 4)."""
+
+    gate_on: AFDGatePlacement = "ffn"
+    """Where the MoE router runs: 'ffn' (default) or 'attention' (top-k ids and
+    weights travel with the hidden states)."""
+
+    timeout_s: float = 60.0
+    """Seconds to wait for a peer (connection, step, layer result) before failing
+    with an error."""
+
+    connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    """Transport-specific options, passed to the connector as they are."""
+
+    def __post_init__(self) -> None:
+        # role, connector and gate_on are Literal fields: pydantic rejects other
+        # values with the field name and the valid choices.
+        if not self.host:
+            raise ValueError("AFDConfig.host: must not be empty")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"AFDConfig.port: {self.port} is not in 1-65535")
+        for name in ("num_attention_ranks", "num_ffn_ranks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"AFDConfig.{name}: must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.num_ubatches <= MAX_UBATCHES:
+            raise ValueError(f"AFDConfig.num_ubatches: {self.num_ubatches} is not in "
+                             f"1-{MAX_UBATCHES}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"AFDConfig.timeout_s: must be > 0, got {self.timeout_s}")
+
+    @property
+    def is_attention(self) -> bool:
+        return self.role == "attention"
+
+    @property
+    def is_ffn(self) -> bool:
+        return self.role == "ffn"
+
+    def compute_hash(self) -> str:
+        """Hash of what changes the computation graph: the role decides which
+        layers a server builds, micro-batches and gate placement reshape the
+        attention side's forward. Addresses, transports and timeouts do not."""
+        factors = [self.role, self.num_ubatches, self.gate_on]
+        return safe_hash(str(factors).encode(), usedforsecurity=False).hexdigest()
+
+    @classmethod
+    def from_cli(cls, afd_config: "AFDConfig | dict | str | None",
+                 afd_role: str | None = None,
+                 additional_config: dict | None = None) -> "AFDConfig | None":
+        """Build from `--afd-config` (JSON or dict), `--afd-role` and afd-plugin's
+        `--additional-config '{"afd": {...}}'`; None when AFD is off."""
+        values: dict[str, Any] = {}
+        plugin = (additional_config or {}).get("afd") if isinstance(
+            additional_config, dict) else None
+        if plugin is not None:
+            values.update(_from_plugin_keys(plugin))
+        if isinstance(afd_config, AFDConfig):
+            values.update({f.name: getattr(afd_config, f.name) for f in fields(cls)})
+        elif isinstance(afd_config, str):
+            try:
+                parsed = json.loads(afd_config)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--afd-config: not valid JSON ({e}): {afd_config!r}") from e
+            values.update(_checked_keys(parsed, "--afd-config"))
+        elif isinstance(afd_config, dict):
+            values.update(_checked_keys(afd_config, "--afd-config"))
+        elif afd_config is not None:
+            raise ValueError(f"--afd-config: expected JSON object, got {type(afd_config)}")
+        if afd_role is not None:
+            values["role"] = afd_role
+        if not values:
+            return None
+        return cls(**values)
+
+
+def _checked_keys(values: Any, source: str) -> dict[str, Any]:
+    if not isinstance(values, dict):
+        raise ValueError(f"{source}: expected a JSON object, got {values!r}")
+    known = {f.name for f in fields(AFDConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{source}: unknown key(s) {unknown}; valid keys: {sorted(known)}")
+    return dict(values)
+
+
+def _from_plugin_keys(values: Any) -> dict[str, Any]:
+    """Map afd-plugin's `additional_config["afd"]` keys onto AFDConfig fields."""
+    if not isinstance(values, dict):
+        raise ValueError(f'--additional-config "afd": expected an object, got {values!r}')
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in _PLUGIN_KEYS:
+            raise ValueError(
+                f'--additional-config "afd": unknown key {key!r}; valid keys: '
+                f"{sorted(_PLUGIN_KEYS)}")
+        name = _PLUGIN_KEYS[key]
+        if name in out:
+            raise ValueError(f'--additional-config "afd": {key!r} given twice (alias)')
+        if name == "connector":
+            value = _PLUGIN_CONNECTORS.get(value, value)
+        if name == "gate_on":
+            value = "attention" if _as_bool(value, key) else "ffn"
+        out[name] = value
+    return out
+
+
+def _as_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false",
+                                                    "no", "off"):
+        return value.lower() in ("1", "true", "yes", "on")
+    raise ValueError(f'--additional-config "afd": {key!r} must be a boolean, got {value!r}')
