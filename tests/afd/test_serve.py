@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""Two real `vllm serve` processes (FFN role, attention role) and the openai client.
+
+The attention server must answer exactly what plain vLLM answers (the oracle's
+in-process plain run of the same prompts), and the FFN server must serve only
+its own small surface.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+
+from servers import Server, free_port, http_get
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+from oracle import PROMPTS  # noqa: E402
+
+pytestmark = pytest.mark.slow
+COMMON = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
+          "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
+          "--no-enable-prefix-caching"]
+MAX_TOKENS = 16
+
+
+def plain_reference(model: Path, out: Path) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "oracle.py"), str(model), "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=out.parent,
+        env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_two_role_serve_matches_plain(models_dir, tmp_path):
+    model = models_dir / "tiny-qwen3-moe"
+    plain = plain_reference(model, tmp_path / "plain.json")
+    afd = json.dumps({"connector": "shm", "port": free_port(), "timeout_s": 60})
+    ffn = Server(str(model), [*COMMON, "--afd-role", "ffn", "--afd-config", afd],
+                 log_path=tmp_path / "ffn.log", env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
+                 name="FFN server")
+    attn = Server(str(model), [*COMMON, "--afd-role", "attention", "--afd-config", afd],
+                  log_path=tmp_path / "attn.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
+                  name="attention server")
+    # The attention server starts first: it waits for the FFN server to appear.
+    with attn, ffn:
+        ffn.wait_ready()
+        attn.wait_ready()
+
+        # The FFN server: health, version, metrics, and a clear refusal of API calls.
+        assert http_get(ffn.url + "/health")[0] == 200
+        status, body = http_get(ffn.url + "/version")
+        assert status == 200 and json.loads(body)["role"] == "ffn"
+        assert http_get(ffn.url + "/metrics")[0] == 200
+        with pytest.raises(openai.NotFoundError, match="This is a vllm-afd FFN server"):
+            openai.OpenAI(base_url=ffn.url + "/v1", api_key="x").completions.create(
+                model=str(model), prompt="hi", max_tokens=4)
+
+        client = openai.OpenAI(base_url=attn.url + "/v1", api_key="x")
+        comp = client.completions.create(
+            model=str(model), prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0,
+            logprobs=1, extra_body={"ignore_eos": True, "return_token_ids": True})
+        choices = sorted(comp.choices, key=lambda c: c.index)
+        assert len(choices) == len(PROMPTS)
+        for ref, got in zip(plain["results"], choices):
+            assert got.token_ids == ref["token_ids"], ref["prompt"]
+            diff = max(abs(a - b) for a, b in zip(got.logprobs.token_logprobs,
+                                                   ref["logprobs"]))
+            assert diff <= 1e-5, (ref["prompt"], diff)
+
+        chat = client.chat.completions.create(
+            model=str(model), messages=[{"role": "user", "content": "Hello!"}],
+            max_tokens=8, temperature=0)
+        assert chat.choices[0].finish_reason in ("length", "stop")
+    assert attn.proc.returncode == 0, attn.log_tail()
+    assert ffn.proc.returncode == 0, ffn.log_tail()

@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""Greedy tokens and logprobs of a fixed prompt set, through plain vLLM or AFD.
+
+    python tools/oracle.py MODEL --out result.json [--afd-config JSON] [--compile]
+
+Runs an in-process `LLM` (VLLM_ENABLE_V1_MULTIPROCESSING=0). With --afd-config
+the engine is the attention role and needs an FFN server listening. The prompts
+have different lengths and a small token budget per step, so steps mix prefill
+and decode. The correctness oracle compares two such result files.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+PROMPTS = [
+    "Hello",
+    "The capital of France is",
+    "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole",
+    "1 2 3 4 5 6 7 8 9 10 11 12",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there was a small village where",
+    "A",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
+    "Mixture-of-experts models route every token to a few experts",
+    "Q: What is two plus two?\nA:",
+]
+
+
+def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int,
+        num_prompts: int, dtype: str) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(model=model, max_model_len=512, dtype=dtype, seed=0,
+                  max_num_batched_tokens=64, max_num_seqs=16,
+                  enforce_eager=not compile_model, enable_prefix_caching=False)
+    if afd_config:
+        kwargs["afd_config"] = json.loads(afd_config)
+        kwargs["afd_role"] = "attention"
+    t0 = time.monotonic()
+    llm = LLM(**kwargs)
+    t_init = time.monotonic() - t0
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1,
+                            ignore_eos=True)
+    t0 = time.monotonic()
+    outs = llm.generate(PROMPTS[:num_prompts], params, use_tqdm=False)
+    t_gen = time.monotonic() - t0
+    results = []
+    for o in outs:
+        c = o.outputs[0]
+        results.append({
+            "prompt": o.prompt,
+            "token_ids": list(c.token_ids),
+            "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+            "text": c.text,
+        })
+    return {"results": results, "init_s": t_init, "generate_s": t_gen}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--afd-config", default=None)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--num-prompts", type=int, default=len(PROMPTS))
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+    result = run(args.model, args.afd_config, args.compile, args.max_tokens,
+                 args.num_prompts, args.dtype)
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,649 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""AFDConnector: how an attention rank and its FFN server exchange hidden states.
+
+One connector object per rank and role. The attention side sends a StepHeader
+per model step, then for every decoder layer and micro-batch the
+post-attention-norm hidden states, and receives the FFN's output:
+
+    conn.send_step(StepHeader(step_id=s, num_tokens=[n0, n1]))
+    for layer in layers:
+        for u in (0, 1): conn.send_hidden(layer, u, h[u])
+        for u in (0, 1): out[u] = conn.recv_output(layer, u)
+
+The FFN side mirrors it with recv_step / recv_hidden / send_output, naming the
+attention rank it talks to as `peer` (its attention rank; 0 for A:F 1:1).
+
+Contract shared by every transport (the checks live here, once):
+  * Outputs come back in the order hidden states were sent, one in flight per
+    micro-batch; each received frame is checked against the expected step,
+    layer, micro-batch, dtype and shape before its payload is touched.
+  * Received tensors may be views into transport buffers. Attention side:
+    recv_output's tensor is valid until the next send_hidden on the same
+    micro-batch. FFN side: recv_hidden's tensor is valid until send_output on
+    the same (peer, micro-batch). Treat them as read-only; copy to keep.
+  * Sent tensors may be read after send_* returns (zero-copy sends): do not
+    modify them in place before the peer's answer for that micro-batch arrives
+    (attention: recv_output; FFN: the next recv_hidden of that micro-batch).
+  * Every wait is bounded by AFDConfig.timeout_s, except recv_step, which
+    waits for the next step as long as the peer is connected (an idle server
+    is not an error). A peer that closes, dies or sends garbage raises
+    AFDConnectionError / ProtocolError naming the peer and what was awaited.
+  * After any error the connector is unusable (the stream may be out of
+    sync); the peer is told with an ErrorFrame when possible so it fails
+    fast too. close() is idempotent and releases everything.
+  * Not thread-safe: one thread drives a connector.
+"""
+
+import importlib
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from vllm.afd import wire
+from vllm.afd.config import AFDConfig
+from vllm.afd.wire import (ErrorFrame, Hello, HelloAck, LayerFrame, ProtocolError,
+                           StepHeader)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Seconds between "still waiting" log lines.
+LOG_INTERVAL_S = 5.0
+# Best-effort messages on the way out (GOODBYE, ErrorFrame) wait at most this.
+FAREWELL_TIMEOUT_S = 1.0
+
+
+class AFDConnectionError(RuntimeError):
+    """The peer is unreachable, closed the connection, or reported an error."""
+
+
+class AFDTimeoutError(AFDConnectionError, TimeoutError):
+    """A peer did not answer within AFDConfig.timeout_s."""
+
+
+class LinkClosed(Exception):
+    """Raised by transports when the peer's end of a link is gone."""
+
+
+class LinkTimeout(Exception):
+    """Raised by transports when a deadline passes."""
+
+
+WaitCallback = Callable[[], None]
+
+
+class What:
+    """A description formatted only when an error or a log line needs it: the
+    per-layer calls pass one of these instead of paying for f-strings."""
+
+    __slots__ = ("fmt", "args")
+
+    def __init__(self, fmt: str, *args: Any) -> None:
+        self.fmt, self.args = fmt, args
+
+    def __str__(self) -> str:
+        return self.fmt.format(*self.args)
+
+
+class AFDConnector(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, afd_config: AFDConfig, *, hidden_size: int, dtype: torch.dtype,
+                 max_tokens: int, rank: int = 0,
+                 fingerprint: dict[str, str] | None = None) -> None:
+        if hidden_size < 1 or max_tokens < 1:
+            raise ValueError(f"AFD connector: hidden_size ({hidden_size}) and max_tokens "
+                             f"({max_tokens}) must be >= 1")
+        wire.dtype_name(dtype)  # ValueError for dtypes that cannot travel
+        ranks = (afd_config.num_attention_ranks if afd_config.is_attention
+                 else afd_config.num_ffn_ranks)
+        if not 0 <= rank < ranks:
+            raise ValueError(f"AFD connector: {afd_config.role} rank {rank} is not in 0-"
+                             f"{ranks - 1}")
+        self.afd_config = afd_config
+        self.role = afd_config.role
+        self.rank = rank
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.max_tokens = max_tokens
+        self.max_bytes = max_tokens * hidden_size * dtype.itemsize
+        self.timeout_s = afd_config.timeout_s
+        self.num_ubatches = afd_config.num_ubatches
+        self.fingerprint = dict(fingerprint or {})
+        # Attention rank a talks to FFN rank a % num_ffn_ranks, which listens on
+        # port + its rank (M:N placeholder; 1:1 uses `port` itself).
+        self.ffn_rank = rank % afd_config.num_ffn_ranks if self.is_attention else rank
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.me = f"AFD {self.role} rank {rank}"
+        self._links: dict[int, Any] = {}  # peer -> transport link
+        self._connected = False
+        self._closed = False
+        self._failure: str | None = None
+        self._closing = threading.Event()  # lets close() interrupt connect()'s waits
+        # Attention side: the current step and (layer, ubatch, shape) in flight.
+        self._step: StepHeader | None = None
+        self._in_flight: deque[tuple[int, int, list[int]]] = deque()
+        # FFN side, per peer: the current step and hidden states awaiting output.
+        self._peer_steps: dict[int, StepHeader] = {}
+        self._awaiting: dict[tuple[int, int], tuple[int, list[int]]] = {}
+        self._announced = 0  # payload length announced with the last message
+        self._views: dict[Any, tuple] = {}  # see _typed_view
+
+    # ----------------------------------------------------------------- identity
+    @property
+    def is_attention(self) -> bool:
+        return self.role == "attention"
+
+    @property
+    @abstractmethod
+    def address(self) -> str:
+        """Where the FFN rank of this connection listens, for messages."""
+
+    def peer_name(self, peer: int) -> str:
+        return f"FFN rank {self.ffn_rank}" if self.is_attention else f"attention rank {peer}"
+
+    def expected_peers(self) -> list[int]:
+        """Attention ranks served by this FFN rank (the FFN's `peer` values)."""
+        cfg = self.afd_config
+        return [a for a in range(cfg.num_attention_ranks) if a % cfg.num_ffn_ranks == self.rank]
+
+    @property
+    def connected_peers(self) -> list[int]:
+        return sorted(self._links)
+
+    # --------------------------------------------------------------- lifecycle
+    def connect(self) -> None:
+        """Block until the peer(s) are there and the handshake passed; raise
+        AFDTimeoutError after timeout_s."""
+        if self._closed:
+            raise AFDConnectionError(f"{self.me}: connect() after close()")
+        if self._connected:
+            return
+        try:
+            self._open(time.monotonic() + self.timeout_s)
+        except BaseException:
+            self._close_transport()
+            self._links.clear()
+            raise
+        self._connected = True
+        logger.info("%s connected via %s at %s (peers: %s)", self.me, self.name, self.address,
+                    ", ".join(self.peer_name(p) for p in self.connected_peers))
+
+    def accept(self) -> None:
+        """The FFN side's connect(): wait for its attention ranks."""
+        self.connect()
+
+    def close(self) -> None:
+        """Say goodbye to the peers (best effort) and release sockets, buffers
+        and shared memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._closing.set()
+        if self._connected and self._failure is None:
+            goodbye = StepHeader(step_id=0, num_tokens=[], flags=wire.GOODBYE)
+            self._farewell(goodbye)
+        try:
+            self._close_transport()
+        finally:
+            self._links.clear()
+            self._connected = False
+            logger.debug("%s closed (sent %d bytes, received %d bytes)", self.me,
+                         self.bytes_sent, self.bytes_received)
+
+    def report_error(self, text: str) -> None:
+        """Tell every peer this side hit a fatal error; the connector is then
+        unusable. Use it when the model fails mid-step so the peer fails fast."""
+        if self._connected and self._failure is None:
+            self._farewell(ErrorFrame(text=f"{self.me}: {text}"[:wire.MAX_TEXT]))
+        self._failure = self._failure or f"reported error: {text}"
+
+    def __enter__(self) -> "AFDConnector":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------- attention side
+    def send_step(self, header: StepHeader) -> None:
+        """Announce a step (or, with the SHUTDOWN flag, the end of serving)."""
+        self._require("attention")
+        if self._in_flight:
+            layer, ubatch, _ = self._in_flight[0]
+            raise ValueError(f"{self.me}: step {self._step.step_id} still waits for the "
+                             f"output of layer {layer} ubatch {ubatch}")
+        min_step = self._step.step_id + 1 if self._step is not None else 0
+        wire.check_step(header, num_ubatches=self.num_ubatches, max_tokens=self.max_tokens,
+                        min_step_id=min_step, context=f"{self.me}, send_step")
+        self._send_message(0, header, what=What("step {}", header.step_id))
+        if not (header.is_shutdown or header.is_goodbye):
+            self._step = header
+
+    def send_hidden(self, layer_id: int, ubatch_id: int, h: torch.Tensor) -> None:
+        """Send micro-batch ubatch_id's hidden states for layer_id to the FFN."""
+        self._require("attention")
+        step = self._current_step(ubatch_id)
+        if any(u == ubatch_id for _, u, _ in self._in_flight):
+            raise ValueError(f"{self.me}: ubatch {ubatch_id} of step {step.step_id} already "
+                             f"has hidden states in flight; receive its output first")
+        shape = [step.num_tokens[ubatch_id], self.hidden_size]
+        self._check_local(h, shape, What("hidden states of layer {} ubatch {}", layer_id,
+                                         ubatch_id))
+        frame = wire.layer_frame(h, step_id=step.step_id, layer_id=layer_id,
+                                 ubatch_id=ubatch_id)
+        self._send_message(0, frame, h, what=What(
+            "layer {} ubatch {} hidden states of step {}", layer_id, ubatch_id, step.step_id))
+        self._in_flight.append((layer_id, ubatch_id, shape))
+
+    def recv_output(self, layer_id: int, ubatch_id: int) -> torch.Tensor:
+        """Wait (up to timeout_s) for the FFN's output of (layer, ubatch). The
+        tensor may be a view into a transport buffer, valid until the next
+        send_hidden on the same ubatch."""
+        self._require("attention")
+        step = self._current_step(ubatch_id)
+        if not self._in_flight:
+            raise ValueError(f"{self.me}: recv_output(layer {layer_id}, ubatch {ubatch_id}) "
+                             f"but no hidden states are in flight")
+        next_layer, next_ubatch, shape = self._in_flight[0]
+        if (next_layer, next_ubatch) != (layer_id, ubatch_id):
+            raise ValueError(f"{self.me}: outputs come back in send order; the next one is "
+                             f"layer {next_layer} ubatch {next_ubatch}, not layer {layer_id} "
+                             f"ubatch {ubatch_id}")
+        what = What("the output of layer {} ubatch {} of step {}", layer_id, ubatch_id,
+                    step.step_id)
+        out = self._recv_tensor(0, what, step_id=step.step_id, layer_id=layer_id,
+                                ubatch_id=ubatch_id, shape=shape)
+        self._in_flight.popleft()
+        return out
+
+    # ---------------------------------------------------------------- FFN side
+    def recv_step(self, peer: int = 0, timeout_s: float | None = None) -> StepHeader:
+        """Wait for peer's next StepHeader; by default as long as the peer stays
+        connected. A header with is_goodbye or is_shutdown ends the peer's
+        conversation."""
+        self._require("ffn", peer)
+        last = self._peer_steps.get(peer)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        header = self._recv_checked(peer, StepHeader, "the next step", deadline)
+        wire.check_step(header, num_ubatches=self.num_ubatches, max_tokens=self.max_tokens,
+                        min_step_id=last.step_id + 1 if last else 0,
+                        context=f"from {self.peer_name(peer)}")
+        if header.is_goodbye:
+            self._links_closed_by_peer(peer)
+        elif not header.is_shutdown:
+            self._peer_steps[peer] = header
+        return header
+
+    def recv_hidden(self, peer: int, layer_id: int, ubatch_id: int) -> torch.Tensor:
+        """Wait (up to timeout_s) for peer's hidden states of (layer, ubatch).
+        The tensor may be a view into a transport buffer, valid until
+        send_output on the same (peer, ubatch)."""
+        self._require("ffn", peer)
+        step = self._peer_steps.get(peer)
+        if step is None:
+            raise ValueError(f"{self.me}: recv_hidden before recv_step from "
+                             f"{self.peer_name(peer)}")
+        if not 0 <= ubatch_id < len(step.num_tokens):
+            raise ValueError(f"{self.me}: ubatch {ubatch_id} is not in step {step.step_id} "
+                             f"of {self.peer_name(peer)} ({len(step.num_tokens)} ubatches)")
+        shape = [step.num_tokens[ubatch_id], self.hidden_size]
+        what = What("the hidden states of layer {} ubatch {} of step {}", layer_id, ubatch_id,
+                    step.step_id)
+        h = self._recv_tensor(peer, what, step_id=step.step_id, layer_id=layer_id,
+                              ubatch_id=ubatch_id, shape=shape)
+        self._awaiting[(peer, ubatch_id)] = (layer_id, shape)
+        return h
+
+    def send_output(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> None:
+        """Send the FFN output of (layer, ubatch) back to peer."""
+        self._require("ffn", peer)
+        awaited = self._awaiting.get((peer, ubatch_id))
+        if awaited is None or awaited[0] != layer_id:
+            raise ValueError(f"{self.me}: send_output(layer {layer_id}, ubatch {ubatch_id}) "
+                             f"to {self.peer_name(peer)} without its hidden states "
+                             f"(awaiting: {awaited})")
+        step = self._peer_steps[peer]
+        self._check_local(out, awaited[1], What("output of layer {} ubatch {}", layer_id,
+                                                 ubatch_id))
+        frame = wire.layer_frame(out, step_id=step.step_id, layer_id=layer_id,
+                                 ubatch_id=ubatch_id)
+        self._send_message(peer, frame, out, what=What(
+            "layer {} ubatch {} output of step {}", layer_id, ubatch_id, step.step_id))
+        del self._awaiting[(peer, ubatch_id)]
+
+    # ------------------------------------------------------ transport interface
+    @abstractmethod
+    def _open(self, deadline: float) -> None:
+        """Rendezvous with the peer(s), run the handshake and fill self._links."""
+
+    @abstractmethod
+    def _transmit(self, peer: int, header: bytes, frame: LayerFrame | None,
+                  payload: torch.Tensor | None, deadline: float) -> None:
+        """Send one encoded message and its payload. Raise LinkClosed/LinkTimeout."""
+
+    @abstractmethod
+    def _receive(self, peer: int, deadline: float | None,
+                 on_wait: WaitCallback) -> tuple[bytes | memoryview, int]:
+        """Receive one encoded message and the payload length the sender
+        announced (0: none, or the payload travels out of band). Raise
+        LinkClosed/LinkTimeout/ProtocolError."""
+
+    @abstractmethod
+    def _receive_payload(self, peer: int, frame: LayerFrame, dtype: torch.dtype,
+                         announced: int, deadline: float) -> torch.Tensor:
+        """The payload of a checked frame, as a tensor of its dtype and shape."""
+
+    @abstractmethod
+    def _close_transport(self) -> None:
+        """Release everything _open created; idempotent; must not raise."""
+
+    # Handshake hooks for transports that need more than a stream of messages.
+    def _ack_fields(self, peer: int) -> dict[str, Any]:
+        """FFN side: extra HelloAck fields for peer (e.g. shm segment names)."""
+        return {}
+
+    def _on_ack(self, ack: HelloAck) -> None:
+        """Attention side: act on an accepted HelloAck."""
+
+    def _after_ack(self, peer: int) -> None:
+        """FFN side: called once peer's accepted HelloAck is sent."""
+
+    # -------------------------------------------------------------- handshake
+    def _hello(self) -> Hello:
+        cfg = self.afd_config
+        return Hello(protocol_version=wire.PROTOCOL_VERSION, role=self.role, rank=self.rank,
+                     num_attention_ranks=cfg.num_attention_ranks,
+                     num_ffn_ranks=cfg.num_ffn_ranks, num_ubatches=cfg.num_ubatches,
+                     hidden_size=self.hidden_size, dtype=wire.dtype_name(self.dtype),
+                     max_tokens=self.max_tokens, connector=self.name,
+                     fingerprint=self.fingerprint)
+
+    def _hello_problems(self, hello: Hello) -> list[str]:
+        """Why the FFN must refuse this Hello (empty: accept)."""
+        mine = self._hello()
+        problems = []
+
+        def differ(field: str, expected, received) -> None:
+            problems.append(f"{field}: expected {expected!r}, received {received!r}")
+
+        for field in ("protocol_version", "num_attention_ranks", "num_ffn_ranks",
+                      "num_ubatches", "hidden_size", "dtype", "connector"):
+            if getattr(hello, field) != getattr(mine, field):
+                differ(field, getattr(mine, field), getattr(hello, field))
+        if hello.role != "attention":
+            differ("role", "attention", hello.role)
+        if hello.max_tokens > self.max_tokens:
+            differ("max_tokens", f"at most {self.max_tokens}", hello.max_tokens)
+        if hello.rank not in self.expected_peers():
+            differ("rank", f"one of {self.expected_peers()}", hello.rank)
+        elif hello.rank in self._links:
+            problems.append(f"rank: attention rank {hello.rank} is already connected")
+        for key in sorted(set(hello.fingerprint) & set(self.fingerprint)):
+            if hello.fingerprint[key] != self.fingerprint[key]:
+                differ(f"fingerprint[{key!r}]", self.fingerprint[key], hello.fingerprint[key])
+        return problems
+
+    def _handshake_as_attention(self, deadline: float) -> None:
+        """Send Hello on link 0 and act on the FFN's HelloAck."""
+        self._send_message(0, self._hello(), what="the handshake (Hello)", deadline=deadline)
+        what = "the handshake reply (HelloAck)"
+        ack = self._recv_checked(0, HelloAck, what, deadline, on_wait=self._waiter(
+            f"{what} from {self.peer_name(0)}", deadline, connecting=True))
+        if not ack.accepted:
+            raise ProtocolError(f"{self.peer_name(0)} at {self.address} refused {self.me}: "
+                                f"{ack.reason}")
+        if ack.protocol_version != wire.PROTOCOL_VERSION:
+            raise ProtocolError(f"HelloAck.protocol_version: expected "
+                                f"{wire.PROTOCOL_VERSION}, received {ack.protocol_version}")
+        self._on_ack(ack)
+
+    def _handshake_as_ffn(self, link: Any, source: str, deadline: float) -> int | None:
+        """Run the handshake on a new link: its peer id when accepted, None when
+        the other end is not an AFD peer (dropped with a warning). A real peer
+        with a mismatched configuration raises ProtocolError here (after
+        telling it why), since serving it would compute garbage."""
+        key = -1 - len(self._links)  # temporary slot until the Hello names the rank
+        self._links[key] = link
+        try:
+            hello = self._recv_checked(key, Hello, "the handshake (Hello)", deadline,
+                                       peer_label=f"connection from {source}")
+        except (ProtocolError, AFDConnectionError) as e:
+            # A port scanner or a stray client must not take the server down.
+            logger.warning("%s: dropping connection from %s: %s", self.me, source, e)
+            self._links.pop(key)
+            self._failure = None
+            return None
+        problems = self._hello_problems(hello)
+        if problems:
+            reason = "; ".join(problems)
+            self._send_message(key, HelloAck(accepted=False, reason=reason, rank=self.rank),
+                               what="the handshake refusal", deadline=deadline)
+            # The link stays in self._links: connect()'s cleanup closes it.
+            raise ProtocolError(f"{self.me} refused attention rank {hello.rank} "
+                                f"({source}): {reason}")
+        peer = hello.rank
+        self._links[peer] = self._links.pop(key)
+        ack = HelloAck(accepted=True, rank=self.rank, **self._ack_fields(peer))
+        self._send_message(peer, ack, what="the handshake reply", deadline=deadline)
+        self._after_ack(peer)
+        return peer
+
+    # ------------------------------------------------------------- internals
+    def _require(self, role: str, peer: int | None = None) -> None:
+        if self.role != role:
+            raise ValueError(f"{self.me}: this is the {role} side's API")
+        if self._failure is not None:
+            raise AFDConnectionError(f"{self.me} is unusable after an earlier error: "
+                                     f"{self._failure}")
+        if not self._connected:
+            raise AFDConnectionError(f"{self.me}: not connected (call connect() first"
+                                     f"{'; it was closed' if self._closed else ''})")
+        if peer is not None and peer not in self._links:
+            raise ValueError(f"{self.me}: {self.peer_name(peer)} is not connected "
+                             f"(connected: {self.connected_peers})")
+
+    def _current_step(self, ubatch_id: int) -> StepHeader:
+        step = self._step
+        if step is None:
+            raise ValueError(f"{self.me}: send_step() first")
+        if not 0 <= ubatch_id < len(step.num_tokens):
+            raise ValueError(f"{self.me}: ubatch {ubatch_id} is not in step {step.step_id} "
+                             f"({len(step.num_tokens)} ubatches)")
+        return step
+
+    def _check_local(self, t: torch.Tensor, shape: list[int], what: What) -> None:
+        """Our own caller's tensors: a mismatch is a bug on this side."""
+        if list(t.shape) != shape or t.dtype != self.dtype:
+            raise ValueError(f"{self.me}: {what}: expected shape {shape} {self.dtype}, got "
+                             f"{list(t.shape)} {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{self.me}: {what} must be contiguous")
+
+    def _waiter(self, what: "str | What", deadline: float | None,
+                connecting: bool = False) -> WaitCallback:
+        """A callback transports call while blocked, logging every few seconds
+        what this side waits for: info while connecting, a warning for a late
+        answer, debug for an idle wait without deadline."""
+        start = time.monotonic()
+        limit = None if deadline is None else deadline - start
+        next_log = [LOG_INTERVAL_S]
+
+        def on_wait() -> None:
+            waited = time.monotonic() - start
+            if waited < next_log[0]:
+                return
+            next_log[0] = waited + LOG_INTERVAL_S
+            budget = f"{waited:.0f}s/{limit:.0f}s" if limit is not None else f"{waited:.0f}s"
+            log = (logger.info if connecting else
+                   logger.debug if limit is None else logger.warning)
+            log("%s waiting for %s at %s (%s)", self.me, what, self.address, budget)
+
+        return on_wait
+
+    def _send_message(self, peer: int, message: wire.Message,
+                      payload: torch.Tensor | None = None, *, what: "str | What",
+                      deadline: float | None = None) -> None:
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
+        header = wire.encode(message)
+        frame = message if isinstance(message, LayerFrame) else None
+        try:
+            self._transmit(peer, header, frame, payload, deadline)
+        except LinkTimeout:
+            raise self._fail(AFDTimeoutError(
+                f"{self.me} timed out after {self.timeout_s:g}s sending {what} to "
+                f"{self.peer_name(peer)} at {self.address} (peer not reading?)")) from None
+        except LinkClosed as e:
+            raise self._fail(AFDConnectionError(
+                f"{self.peer_name(peer)} at {self.address} closed the connection ({e}) while "
+                f"{self.me} was sending {what}"), notify=False) from None
+
+    def _recv_checked(self, peer: int, kind: type, what: "str | What",
+                      deadline: float | None,
+                      on_wait: WaitCallback | None = None, peer_label: str | None = None):
+        """The next message from peer, which must be of kind (not a payload frame
+        unless kind is LayerFrame); its announced payload length is kept in
+        self._announced for _recv_tensor."""
+        label = peer_label or self.peer_name(peer)
+        on_wait = on_wait or self._waiter(What("{} from {}", what, label), deadline)
+        try:
+            data, announced = self._receive(peer, deadline, on_wait)
+            self.bytes_received += len(data)
+            message = wire.decode(data, source=label)
+            if isinstance(message, ErrorFrame):
+                raise self._fail(AFDConnectionError(
+                    f"{label} reported a fatal error while {self.me} waited for {what}: "
+                    f"{message.text}"), notify=False)
+            if isinstance(message, StepHeader) and message.is_goodbye and kind is not StepHeader:
+                self._links_closed_by_peer(peer)
+                raise self._fail(AFDConnectionError(
+                    f"{label} closed the connection (goodbye) while {self.me} waited for "
+                    f"{what}"), notify=False)
+            wire.expect(message, kind, source=label, waiting_for=what)
+            if kind is not LayerFrame and announced:
+                raise ProtocolError(f"{type(message).__name__} from {label} announced a "
+                                    f"payload of {announced} bytes; only LayerFrames carry one")
+        except LinkTimeout:
+            raise self._fail(AFDTimeoutError(
+                f"{self.me} timed out after {self.timeout_s:g}s waiting for {what} from "
+                f"{label} at {self.address}")) from None
+        except LinkClosed as e:
+            raise self._fail(AFDConnectionError(
+                f"{label} at {self.address} closed the connection ({e}) while {self.me} "
+                f"waited for {what}"), notify=False) from None
+        except ProtocolError as e:
+            raise self._fail(e) from None
+        self._announced = announced
+        return message
+
+    def _recv_tensor(self, peer: int, what: What, *, step_id: int, layer_id: int,
+                     ubatch_id: int, shape: list[int]) -> torch.Tensor:
+        deadline = time.monotonic() + self.timeout_s
+        frame = self._recv_checked(peer, LayerFrame, what, deadline)
+        try:
+            dtype = wire.check_frame(frame, step_id=step_id, layer_id=layer_id,
+                                     ubatch_id=ubatch_id, max_bytes=self.max_bytes,
+                                     expected_shape=shape, dtype=self.dtype,
+                                     context=What("from {}, {}", self.peer_name(peer), what))
+            tensor = self._receive_payload(peer, frame, dtype, self._announced, deadline)
+        except ProtocolError as e:
+            raise self._fail(e) from None
+        except LinkTimeout:
+            raise self._fail(AFDTimeoutError(
+                f"{self.me} timed out after {self.timeout_s:g}s receiving the payload of "
+                f"{what} from {self.peer_name(peer)} at {self.address}")) from None
+        except LinkClosed as e:
+            raise self._fail(AFDConnectionError(
+                f"{self.peer_name(peer)} at {self.address} closed the connection ({e}) "
+                f"while {self.me} received the payload of {what}"), notify=False) from None
+        return tensor
+
+    def _typed_view(self, key: Any, buffer: torch.Tensor, dtype: torch.dtype,
+                    shape: list[int]) -> torch.Tensor:
+        """The first bytes of a uint8 transport buffer as a tensor of dtype and
+        shape. Cached per key: steps repeat their shapes, and building the view
+        costs more than everything else a small message needs."""
+        shape = tuple(shape)
+        cached = self._views.get(key)
+        if (cached is not None and cached[0] is buffer and cached[1] == dtype
+                and cached[2] == shape):
+            return cached[3]
+        nbytes = wire.payload_nbytes(dtype, shape)
+        view = buffer[:nbytes].view(dtype).view(shape)
+        self._views[key] = (buffer, dtype, shape, view)
+        return view
+
+    def _fail(self, error: Exception, notify: bool = True) -> Exception:
+        """Mark the connector unusable and, unless the peer is gone, tell it."""
+        if self._failure is None:
+            self._failure = f"{type(error).__name__}: {error}"
+            if notify and self._connected:
+                self._farewell(ErrorFrame(text=f"{self.me}: {self._failure}"[:wire.MAX_TEXT]))
+        return error
+
+    def _farewell(self, message: wire.Message) -> None:
+        """Best-effort last message to every peer; errors are ignored."""
+        header = wire.encode(message)
+        for peer in list(self._links):
+            if peer < 0:
+                continue
+            try:
+                self._transmit(peer, header, None, None, time.monotonic() + FAREWELL_TIMEOUT_S)
+            except Exception as e:  # the peer may be gone already
+                logger.debug("%s: could not send %s to %s: %s", self.me,
+                             type(message).__name__, self.peer_name(peer), e)
+
+    def _links_closed_by_peer(self, peer: int) -> None:
+        """Hook: peer said goodbye; transports may release its resources."""
+
+
+# ------------------------------------------------------------------- registry
+_CONNECTORS: dict[str, str] = {
+    "shm": "vllm.afd.connectors.shm:ShmConnector",
+    "tcp": "vllm.afd.connectors.tcp:TcpConnector",
+    "loopback": "vllm.afd.connectors.loopback:LoopbackConnector",
+    "nccl": "vllm.afd.connectors.nccl:NcclConnector",
+}
+
+
+def register_connector(name: str, target: str, *, replace: bool = False) -> None:
+    """Register a connector class as "package.module:ClassName" (imported on
+    first use, so registering costs nothing)."""
+    module, _, cls = target.partition(":")
+    if not module or not cls.isidentifier():
+        raise ValueError(f"register_connector({name!r}): target must look like "
+                         f"'package.module:ClassName', got {target!r}")
+    if name in _CONNECTORS and _CONNECTORS[name] != target and not replace:
+        raise ValueError(f"AFD connector {name!r} is already registered as "
+                         f"{_CONNECTORS[name]!r}; pass replace=True to override it")
+    _CONNECTORS[name] = target
+
+
+def connector_names() -> list[str]:
+    return sorted(_CONNECTORS)
+
+
+def connector_class(name: str) -> type[AFDConnector]:
+    if name not in _CONNECTORS:
+        raise ValueError(f"unknown AFD connector {name!r}; valid names: "
+                         f"{', '.join(connector_names())}")
+    module, _, cls_name = _CONNECTORS[name].partition(":")
+    cls = getattr(importlib.import_module(module), cls_name)
+    if not (isinstance(cls, type) and issubclass(cls, AFDConnector)):
+        raise TypeError(f"AFD connector {name!r}: {_CONNECTORS[name]} is not an "
+                        f"AFDConnector subclass")
+    return cls
+
+
+def create_connector(afd_config: AFDConfig, *, name: str | None = None,
+                     **kwargs: Any) -> AFDConnector:
+    """The connector named by afd_config.connector (or name), constructed with
+    kwargs (hidden_size, dtype, max_tokens, rank, ...). Not connected yet."""
+    return connector_class(name or afd_config.connector)(afd_config, **kwargs)

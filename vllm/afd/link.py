@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""The attention role's end of the link: one per process, shared by every RemoteFFN.
+
+Each forward pass is one step: the first remote layer of a pass announces the
+step (StepHeader), then every layer sends its hidden states and waits for the
+FFN's result. The connection is made on first use, so the attention server may
+start before the FFN server (it waits up to timeout_s, saying what it waits for).
+"""
+
+import atexit
+import threading
+
+import torch
+
+from vllm.afd.config import AFDConfig
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_link: "AttentionLink | None" = None
+_link_lock = threading.Lock()
+
+
+class AttentionLink:
+    def __init__(self, afd_config: AFDConfig, hidden_size: int, dtype: torch.dtype,
+                 max_tokens: int, rank: int = 0):
+        self.afd_config = afd_config
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.max_tokens = max_tokens
+        self.rank = rank
+        self.layers: list[int] = []
+        self.step_id = 0
+        self.connector = None
+
+    def add_layer(self, layer_idx: int) -> None:
+        if layer_idx not in self.layers:
+            self.layers.append(layer_idx)
+            self.layers.sort()
+
+    def _connected(self):
+        from vllm.afd.connectors.base import create_connector
+
+        if self.connector is None:
+            connector = create_connector(self.afd_config, hidden_size=self.hidden_size,
+                                         dtype=self.dtype, max_tokens=self.max_tokens,
+                                         rank=self.rank)
+            connector.connect()
+            self.connector = connector
+        return self.connector
+
+    def exchange(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Run layer `layer_idx`'s mlp on the FFN server."""
+        from vllm.afd.wire import StepHeader
+
+        try:
+            connector = self._connected()
+            if layer_idx == self.layers[0]:
+                self.step_id += 1
+                connector.send_step(StepHeader(step_id=self.step_id,
+                                               num_tokens=[hidden_states.shape[0]]))
+            connector.send_hidden(layer_idx, 0, hidden_states.contiguous())
+            out = connector.recv_output(layer_idx, 0)
+            # The received tensor may live in a transport buffer that the next
+            # step overwrites; the model keeps layer outputs across layers.
+            return out.to(hidden_states.dtype).clone()
+        except Exception:
+            self.reset()
+            raise
+
+    def reset(self) -> None:
+        """Drop the connection; the next step reconnects."""
+        if self.connector is not None:
+            try:
+                self.connector.close()
+            finally:
+                self.connector = None
+
+    def close(self) -> None:
+        self.reset()
+
+
+def get_or_create_link(vllm_config) -> AttentionLink:
+    global _link
+    with _link_lock:
+        if _link is None:
+            mc = vllm_config.model_config
+            _link = AttentionLink(
+                vllm_config.afd_config, hidden_size=mc.get_hidden_size(), dtype=mc.dtype,
+                max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+                rank=vllm_config.parallel_config.data_parallel_rank)
+            # Say goodbye at exit, so the FFN server knows the peer left on purpose.
+            atexit.register(_link.close)
+        return _link
+
+
+def get_link() -> AttentionLink:
+    if _link is None:
+        raise RuntimeError("AFD: no attention link in this process (model not built "
+                           "with --afd-role attention?)")
+    return _link

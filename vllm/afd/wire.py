@@ -1,0 +1,327 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""Every message exchanged between the attention and the FFN servers.
+
+All messages are msgspec Structs in one tagged union, encoded as msgpack maps
+(field names on the wire, so a decode error names the field and new fields can
+be added with defaults). Tensor payloads never travel inside a message: a
+LayerFrame header describes the payload and the transport moves its bytes
+(socket, shared-memory slot, NCCL). Nothing here unpickles anything.
+
+Conversation, per attention rank and its FFN server:
+
+    attention -> FFN   Hello                     once, after connecting
+    FFN -> attention   HelloAck                  accepted, or rejected with reason
+    attention -> FFN   StepHeader                once per model step
+    attention -> FFN   LayerFrame + hidden       per layer and micro-batch
+    FFN -> attention   LayerFrame + output       same layer and micro-batch
+    either             StepHeader(GOODBYE)       on close
+    either             ErrorFrame                on a fatal error
+
+Headers come from another process: everything a receiver allocates or indexes
+with is checked here first (check_step, check_frame), so a malformed or
+malicious header raises ProtocolError instead of sizing a buffer.
+"""
+
+import ctypes
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
+import msgspec
+import torch
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Bump on any incompatible change; peers with different versions refuse to talk.
+PROTOCOL_VERSION = 1
+
+MAX_UBATCHES = 4  # AFDConfig.num_ubatches is 1..4
+MAX_DIMS = 8
+MAX_TEXT = 4096  # reasons and error texts; a peer cannot make us log megabytes
+MAX_FINGERPRINT_ITEMS = 64
+
+# Payload dtypes, by the names that travel in LayerFrame.dtype and Hello.dtype.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+# StepHeader.flags bits.
+DUMMY = 1  # warm-up / profile run: shapes are real, values are not
+SHUTDOWN = 2  # the attention server is shutting down; the FFN server should exit
+GOODBYE = 4  # the sender closes this connection; nothing follows
+KNOWN_FLAGS = DUMMY | SHUTDOWN | GOODBYE
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+
+
+class ProtocolError(ValueError):
+    """A peer sent something this side cannot accept: malformed bytes, a
+    message of the wrong kind, or a header that does not match what we expect."""
+
+
+class Message(msgspec.Struct, tag_field="kind", kw_only=True):
+    """Base of every wire message; the subclass tag selects the type on decode."""
+
+
+class Hello(Message, tag="hello"):
+    """First message of a connection: who the attention rank is and what it will
+    send, so the FFN can refuse a mismatched peer before any tensor moves."""
+
+    protocol_version: NonNegInt
+    role: Literal["attention", "ffn"]
+    rank: NonNegInt
+    num_attention_ranks: Annotated[int, msgspec.Meta(ge=1)]
+    num_ffn_ranks: Annotated[int, msgspec.Meta(ge=1)]
+    num_ubatches: Annotated[int, msgspec.Meta(ge=1, le=MAX_UBATCHES)]
+    hidden_size: Annotated[int, msgspec.Meta(ge=1)]
+    dtype: Name
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    connector: Name = ""
+    # Free-form identity of the model/config (e.g. model name, layer count,
+    # quantization); keys both sides know must match.
+    fingerprint: Annotated[dict[Name, Text],
+                           msgspec.Meta(max_length=MAX_FINGERPRINT_ITEMS)] = {}
+
+
+class HelloAck(Message, tag="hello_ack"):
+    """The FFN's answer to Hello, plus what the transport needs to continue."""
+
+    accepted: bool
+    reason: Text = ""
+    protocol_version: NonNegInt = PROTOCOL_VERSION
+    rank: NonNegInt = 0  # the FFN rank answering
+    # shm: segment names (attention->FFN region, FFN->attention region) and the
+    # bytes of one micro-batch slot in each.
+    shm_segments: Annotated[list[Name], msgspec.Meta(max_length=8)] = []
+    shm_slot_bytes: NonNegInt = 0
+    # nccl: ncclUniqueId bytes of the attention->FFN and FFN->attention comms.
+    nccl_unique_ids: Annotated[list[bytes], msgspec.Meta(max_length=8)] = []
+
+
+class StepHeader(Message, tag="step"):
+    """Start of a model step on one attention rank: how many tokens each
+    micro-batch carries (their sum is this rank's tokens for the step)."""
+
+    step_id: NonNegInt
+    num_tokens: Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_UBATCHES)]
+    flags: NonNegInt = 0
+
+    @property
+    def is_dummy(self) -> bool:
+        return bool(self.flags & DUMMY)
+
+    @property
+    def is_shutdown(self) -> bool:
+        return bool(self.flags & SHUTDOWN)
+
+    @property
+    def is_goodbye(self) -> bool:
+        return bool(self.flags & GOODBYE)
+
+
+class LayerFrame(Message, tag="layer"):
+    """Header of one tensor payload: the hidden states of (step, layer,
+    micro-batch) on the way to the FFN, or the FFN's output on the way back."""
+
+    step_id: NonNegInt
+    layer_id: NonNegInt
+    ubatch_id: NonNegInt
+    dtype: Name
+    shape: Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_DIMS)]
+    nbytes: NonNegInt
+
+
+class ErrorFrame(Message, tag="error"):
+    """The sender hit a fatal error; the receiver fails with this text instead
+    of waiting out its timeout."""
+
+    text: Text
+
+
+AnyMessage = Hello | HelloAck | StepHeader | LayerFrame | ErrorFrame
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes | bytearray | memoryview, *, source: str = "peer") -> AnyMessage:
+    """Decode one message; malformed or truncated bytes raise ProtocolError."""
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as e:
+        raise ProtocolError(
+            f"malformed AFD message from {source} ({len(data)} bytes): {e}") from e
+
+
+def expect(message: AnyMessage, kind: type[Message], *, source: str = "peer",
+           waiting_for: str = "") -> Message:
+    """Return message if it is of kind, else raise ProtocolError naming both."""
+    if not isinstance(message, kind):
+        what = f" while waiting for {waiting_for}" if waiting_for else ""
+        raise ProtocolError(
+            f"unexpected message from {source}{what}: expected {kind.__name__}, "
+            f"received {type(message).__name__}")
+    return message
+
+
+def _mismatch(field: str, expected, received, context: object) -> ProtocolError:
+    where = f" ({context})" if context else ""
+    return ProtocolError(f"{field}: expected {expected}, received {received}{where}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot travel between AFD servers; supported: "
+                         f"{', '.join(DTYPES)}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a wire dtype name (ProtocolError if not allowed)."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ProtocolError(f"dtype: expected one of {', '.join(DTYPES)}, received "
+                            f"{name!r}") from None
+
+
+def payload_nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def check_step(header: StepHeader, *, num_ubatches: int, max_tokens: int,
+               min_step_id: int = 0, context: object = "") -> StepHeader:
+    """Validate a StepHeader before its token counts size anything."""
+    if header.flags & ~KNOWN_FLAGS:
+        raise _mismatch("StepHeader.flags", f"only bits {KNOWN_FLAGS:#x}",
+                        f"{header.flags:#x}", context)
+    if header.is_goodbye or header.is_shutdown:
+        return header  # ends the conversation; carries no step
+    if header.step_id < min_step_id:
+        raise _mismatch("StepHeader.step_id", f">= {min_step_id} (steps only move forward)",
+                        header.step_id, context)
+    if not 1 <= len(header.num_tokens) <= num_ubatches:
+        raise _mismatch("StepHeader.num_tokens", f"1 to {num_ubatches} micro-batches",
+                        f"{len(header.num_tokens)} ({header.num_tokens})", context)
+    total = sum(header.num_tokens)
+    if total > max_tokens:
+        raise _mismatch("StepHeader.num_tokens", f"at most {max_tokens} tokens in all",
+                        f"{total} ({header.num_tokens})", context)
+    return header
+
+
+def check_frame(frame: LayerFrame, *, step_id: int, layer_id: int, ubatch_id: int,
+                max_bytes: int, hidden_size: int | None = None,
+                expected_shape_tail: Sequence[int] | None = None,
+                expected_shape: Sequence[int] | None = None,
+                dtype: torch.dtype | None = None, context: object = "") -> torch.dtype:
+    """Check a received LayerFrame against what the receiver expects next and
+    return its torch dtype. Raises ProtocolError naming the field, the expected
+    and the received value, then context (anything printable, formatted only
+    on error). nbytes is checked against shape and dtype and against
+    max_bytes, so it is safe to allocate or index with afterwards."""
+    if frame.step_id != step_id:
+        raise _mismatch("LayerFrame.step_id", step_id, frame.step_id, context)
+    if frame.layer_id != layer_id:
+        raise _mismatch("LayerFrame.layer_id", layer_id, frame.layer_id, context)
+    if frame.ubatch_id != ubatch_id:
+        raise _mismatch("LayerFrame.ubatch_id", ubatch_id, frame.ubatch_id, context)
+    received_dtype = DTYPES.get(frame.dtype)
+    if received_dtype is None:
+        raise _mismatch("LayerFrame.dtype", f"one of {', '.join(DTYPES)}",
+                        repr(frame.dtype), context)
+    if dtype is not None and received_dtype != dtype:
+        raise _mismatch("LayerFrame.dtype", dtype_name(dtype), frame.dtype, context)
+    shape = list(frame.shape)
+    if not shape:
+        raise _mismatch("LayerFrame.shape", "at least one dimension", shape, context)
+    if hidden_size is not None:
+        expected_shape_tail = (hidden_size,)
+    if expected_shape is not None and shape != list(expected_shape):
+        raise _mismatch("LayerFrame.shape", list(expected_shape), shape, context)
+    if expected_shape_tail is not None:
+        tail = list(expected_shape_tail)
+        if len(shape) != len(tail) + 1 or shape[1:] != tail:
+            raise _mismatch("LayerFrame.shape", f"[num_tokens, {', '.join(map(str, tail))}]",
+                            shape, context)
+    # prod() of a hostile shape can be huge; Python ints do not overflow, and
+    # the comparison below rejects it before anything is allocated.
+    nbytes = payload_nbytes(received_dtype, shape)
+    if frame.nbytes != nbytes:
+        raise _mismatch("LayerFrame.nbytes", f"{nbytes} (shape {shape} x {frame.dtype})",
+                        frame.nbytes, context)
+    if nbytes > max_bytes:
+        raise _mismatch("LayerFrame.nbytes", f"at most {max_bytes}", nbytes, context)
+    return received_dtype
+
+
+def layer_frame(tensor: torch.Tensor, *, step_id: int, layer_id: int,
+                ubatch_id: int) -> LayerFrame:
+    """The header describing tensor as the payload of (step, layer, ubatch)."""
+    return LayerFrame(step_id=step_id, layer_id=layer_id, ubatch_id=ubatch_id,
+                      dtype=dtype_name(tensor.dtype), shape=list(tensor.shape),
+                      nbytes=tensor.numel() * tensor.element_size())
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes (no copy); works for
+    bfloat16, which numpy and the buffer protocol do not know."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"AFD payloads must be contiguous; got strides {tensor.stride()} "
+                         f"for shape {tuple(tensor.shape)}")
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def tensor_to_buffer(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable memoryview (no copy;
+    the view keeps the tensor alive). Built over the data pointer: torch's own
+    route (reshape, view, numpy) costs several times more per message."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"tensor_to_buffer needs a CPU tensor, got {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"AFD payloads must be contiguous; got strides {tensor.stride()} "
+                         f"for shape {tuple(tensor.shape)}")
+    nbytes = tensor.nbytes
+    if nbytes == 0:
+        return memoryview(bytearray())
+    raw = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    raw._owner = tensor  # the memory belongs to the tensor: keep it alive
+    return memoryview(raw).cast("B")
+
+
+def tensor_from_buffer(buffer, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """A tensor over buffer's memory (no copy); its length must match exactly.
+    The tensor keeps buffer alive. Writing into a read-only buffer (bytes, a
+    received frame) is undefined: treat such tensors as read-only."""
+    view = memoryview(buffer).cast("B")
+    nbytes = payload_nbytes(dtype, shape)
+    if view.nbytes != nbytes:
+        raise ProtocolError(f"payload length: expected {nbytes} (shape {list(shape)} x "
+                            f"{dtype_name(dtype)}), received {view.nbytes}")
+    if nbytes == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    if view.readonly:
+        # torch warns once per process that it cannot protect read-only memory;
+        # the contract above says so already.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(view, dtype=torch.uint8)
+    else:
+        flat = torch.frombuffer(view, dtype=torch.uint8)
+    return flat.view(dtype).view(tuple(shape))
