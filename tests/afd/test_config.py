@@ -97,3 +97,28 @@ def test_serve_help_shows_the_afd_group():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--afd-role {attention,ffn}" in out.stdout
     assert "Attention-FFN Disaggregation" in out.stdout
+
+
+def test_afd_reaches_vllm_config_and_picks_v1_runner():
+    plain = parse().create_engine_config()
+    cfg = parse("--afd-role", "attention").create_engine_config()
+    assert plain.afd_config is None
+    assert cfg.afd_config is not None and cfg.afd_config.is_attention
+    # Model Runner V2 lists AFD as unsupported, so CUDA falls back to V1 (CPU
+    # always runs V1; the reason list is what decides on CUDA).
+    assert "Attention-FFN Disaggregation (--afd-role)" in (
+        cfg._get_v2_model_runner_unsupported_features())
+    assert "Attention-FFN Disaggregation (--afd-role)" not in (
+        plain._get_v2_model_runner_unsupported_features())
+    # The role changes the compiled graph; the port does not.
+    ffn = parse("--afd-role", "ffn").create_engine_config()
+    other_port = parse("--afd-role", "attention", "--afd-config", '{"port": 9999}')
+    assert cfg.compute_hash() != plain.compute_hash()
+    assert cfg.compute_hash() != ffn.compute_hash()
+    assert cfg.compute_hash() == other_port.create_engine_config().compute_hash()
+
+
+def test_llm_kwargs_reach_engine_args():
+    args = EngineArgs(model=MODEL, afd_role="ffn", afd_config={"port": 7801})
+    cfg = args.create_engine_config()
+    assert (cfg.afd_config.role, cfg.afd_config.port) == ("ffn", 7801)

@@ -116,8 +116,15 @@ def build_model(vllm_config, construct):
         model = construct()
         _swap_in_remote_ffn(model, vllm_config)
     else:
+        from vllm.model_executor.layers import rotary_embedding
+
+        # get_rope() caches rotary embeddings process-wide; ones built here live on
+        # meta and must not be handed to a model built later in this process.
+        ropes_before = set(rotary_embedding._ROPE_DICT)
         with torch.device("meta"):
             model = construct()
+        for key in set(rotary_embedding._ROPE_DICT) - ropes_before:
+            del rotary_embedding._ROPE_DICT[key]
         _strip_to_ffn(model, vllm_config)
     _check_no_meta(model, afd.role)
     model.afd_role = afd.role  # read by filter_weights

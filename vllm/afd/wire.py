@@ -169,7 +169,7 @@ def decode(data: bytes | bytearray | memoryview, *, source: str = "peer") -> Any
 
 
 def expect(message: AnyMessage, kind: type[Message], *, source: str = "peer",
-           waiting_for: str = "") -> Message:
+           waiting_for: object = "") -> Message:
     """Return message if it is of kind, else raise ProtocolError naming both."""
     if not isinstance(message, kind):
         what = f" while waiting for {waiting_for}" if waiting_for else ""

@@ -32,7 +32,9 @@ Contract shared by every transport (the checks live here, once):
   * After any error the connector is unusable (the stream may be out of
     sync); the peer is told with an ErrorFrame when possible so it fails
     fast too. close() is idempotent and releases everything.
-  * Not thread-safe: one thread drives a connector.
+  * Not thread-safe: one thread drives a connector. The exception is close(),
+    which another thread may call to interrupt a blocked connect or receive;
+    the blocked call then raises AFDConnectionError ("... was closed ...").
 """
 
 import importlib
@@ -156,7 +158,7 @@ class AFDConnector(ABC):
 
     @property
     def connected_peers(self) -> list[int]:
-        return sorted(self._links)
+        return sorted(p for p in self._links if p >= 0) if self._connected else []
 
     # --------------------------------------------------------------- lifecycle
     def connect(self) -> None:
@@ -193,7 +195,8 @@ class AFDConnector(ABC):
         try:
             self._close_transport()
         finally:
-            self._links.clear()
+            # self._links stays: another thread blocked in this connector may
+            # still look its link up, and must get a clean error, not a KeyError.
             self._connected = False
             logger.debug("%s closed (sent %d bytes, received %d bytes)", self.me,
                          self.bytes_sent, self.bytes_received)
@@ -272,12 +275,14 @@ class AFDConnector(ABC):
         last = self._peer_steps.get(peer)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         header = self._recv_checked(peer, StepHeader, "the next step", deadline)
-        wire.check_step(header, num_ubatches=self.num_ubatches, max_tokens=self.max_tokens,
-                        min_step_id=last.step_id + 1 if last else 0,
-                        context=f"from {self.peer_name(peer)}")
-        if header.is_goodbye:
-            self._links_closed_by_peer(peer)
-        elif not header.is_shutdown:
+        try:
+            wire.check_step(header, num_ubatches=self.num_ubatches,
+                            max_tokens=self.max_tokens,
+                            min_step_id=last.step_id + 1 if last else 0,
+                            context=f"from {self.peer_name(peer)}")
+        except ProtocolError as e:
+            raise self._fail(e) from None
+        if not (header.is_goodbye or header.is_shutdown):
             self._peer_steps[peer] = header
         return header
 
@@ -496,14 +501,8 @@ class AFDConnector(ABC):
         frame = message if isinstance(message, LayerFrame) else None
         try:
             self._transmit(peer, header, frame, payload, deadline)
-        except LinkTimeout:
-            raise self._fail(AFDTimeoutError(
-                f"{self.me} timed out after {self.timeout_s:g}s sending {what} to "
-                f"{self.peer_name(peer)} at {self.address} (peer not reading?)")) from None
-        except LinkClosed as e:
-            raise self._fail(AFDConnectionError(
-                f"{self.peer_name(peer)} at {self.address} closed the connection ({e}) while "
-                f"{self.me} was sending {what}"), notify=False) from None
+        except (LinkTimeout, LinkClosed) as e:
+            raise self._link_error(e, self.peer_name(peer), what, "send") from None
 
     def _recv_checked(self, peer: int, kind: type, what: "str | What",
                       deadline: float | None,
@@ -522,7 +521,6 @@ class AFDConnector(ABC):
                     f"{label} reported a fatal error while {self.me} waited for {what}: "
                     f"{message.text}"), notify=False)
             if isinstance(message, StepHeader) and message.is_goodbye and kind is not StepHeader:
-                self._links_closed_by_peer(peer)
                 raise self._fail(AFDConnectionError(
                     f"{label} closed the connection (goodbye) while {self.me} waited for "
                     f"{what}"), notify=False)
@@ -530,14 +528,8 @@ class AFDConnector(ABC):
             if kind is not LayerFrame and announced:
                 raise ProtocolError(f"{type(message).__name__} from {label} announced a "
                                     f"payload of {announced} bytes; only LayerFrames carry one")
-        except LinkTimeout:
-            raise self._fail(AFDTimeoutError(
-                f"{self.me} timed out after {self.timeout_s:g}s waiting for {what} from "
-                f"{label} at {self.address}")) from None
-        except LinkClosed as e:
-            raise self._fail(AFDConnectionError(
-                f"{label} at {self.address} closed the connection ({e}) while {self.me} "
-                f"waited for {what}"), notify=False) from None
+        except (LinkTimeout, LinkClosed) as e:
+            raise self._link_error(e, label, what, "receive") from None
         except ProtocolError as e:
             raise self._fail(e) from None
         self._announced = announced
@@ -555,30 +547,47 @@ class AFDConnector(ABC):
             tensor = self._receive_payload(peer, frame, dtype, self._announced, deadline)
         except ProtocolError as e:
             raise self._fail(e) from None
-        except LinkTimeout:
-            raise self._fail(AFDTimeoutError(
-                f"{self.me} timed out after {self.timeout_s:g}s receiving the payload of "
-                f"{what} from {self.peer_name(peer)} at {self.address}")) from None
-        except LinkClosed as e:
-            raise self._fail(AFDConnectionError(
-                f"{self.peer_name(peer)} at {self.address} closed the connection ({e}) "
-                f"while {self.me} received the payload of {what}"), notify=False) from None
+        except (LinkTimeout, LinkClosed) as e:
+            raise self._link_error(e, self.peer_name(peer), what, "payload") from None
         return tensor
+
+    _LINK_ERROR_WORDS = {  # action: (timed out ..., while me ...)
+        "send": ("sending {what} to", "was sending {what}"),
+        "receive": ("waiting for {what} from", "waited for {what}"),
+        "payload": ("receiving the payload of {what} from", "received the payload of {what}"),
+    }
+
+    def _link_error(self, error: Exception, label: str, what: "str | What",
+                    action: str) -> Exception:
+        """The connector's exception for a transport's LinkTimeout/LinkClosed."""
+        timed_out, doing = (w.format(what=what) for w in self._LINK_ERROR_WORDS[action])
+        if self._closed:  # close() from another thread interrupted the wait
+            return AFDConnectionError(f"{self.me} was closed while it {doing}")
+        if isinstance(error, LinkTimeout):
+            hint = " (peer not reading?)" if action == "send" else ""
+            return self._fail(AFDTimeoutError(
+                f"{self.me} timed out after {self.timeout_s:g}s {timed_out} {label} at "
+                f"{self.address}{hint}"))
+        return self._fail(AFDConnectionError(
+            f"{label} at {self.address} closed the connection ({error}) while {self.me} "
+            f"{doing}"), notify=False)
 
     def _typed_view(self, key: Any, buffer: torch.Tensor, dtype: torch.dtype,
                     shape: list[int]) -> torch.Tensor:
         """The first bytes of a uint8 transport buffer as a tensor of dtype and
         shape. Cached per key: steps repeat their shapes, and building the view
-        costs more than everything else a small message needs."""
+        costs more than everything else a small message needs. Each call returns
+        a fresh alias (detach), so a caller's in-place metadata change (squeeze_,
+        resize_) cannot corrupt the cached view."""
         shape = tuple(shape)
         cached = self._views.get(key)
         if (cached is not None and cached[0] is buffer and cached[1] == dtype
                 and cached[2] == shape):
-            return cached[3]
+            return cached[3].detach()
         nbytes = wire.payload_nbytes(dtype, shape)
         view = buffer[:nbytes].view(dtype).view(shape)
         self._views[key] = (buffer, dtype, shape, view)
-        return view
+        return view.detach()
 
     def _fail(self, error: Exception, notify: bool = True) -> Exception:
         """Mark the connector unusable and, unless the peer is gone, tell it."""
@@ -599,9 +608,6 @@ class AFDConnector(ABC):
             except Exception as e:  # the peer may be gone already
                 logger.debug("%s: could not send %s to %s: %s", self.me,
                              type(message).__name__, self.peer_name(peer), e)
-
-    def _links_closed_by_peer(self, peer: int) -> None:
-        """Hook: peer said goodbye; transports may release its resources."""
 
 
 # ------------------------------------------------------------------- registry

@@ -71,13 +71,15 @@ class QueueLink:
                 continue
             if item is _CLOSED:
                 self.inbox.put(_CLOSED)  # later receives fail the same way
-                raise LinkClosed("peer closed its end")
+                raise LinkClosed("peer closed its end" if self._closed[1 - self._side]
+                                 else "closed")
             return item
 
     def close(self) -> None:
         if not self._closed[self._side]:
             self._closed[self._side] = True
             self.outbox.put(_CLOSED)
+            self.inbox.put(_CLOSED)  # wakes a thread of ours blocked in recv()
 
 
 class LoopbackConnector(AFDConnector):
@@ -105,7 +107,10 @@ class LoopbackConnector(AFDConnector):
         with _listeners_changed:
             while self.key not in _listeners:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._closing.is_set():
+                if self._closing.is_set():
+                    raise AFDConnectionError(f"{self.me} was closed while it waited for "
+                                             f"{self.peer_name(0)} at {self.address}")
+                if remaining <= 0:
                     raise AFDTimeoutError(
                         f"{self.me} gave up waiting for {self.peer_name(0)} at {self.address} "
                         f"after {self.timeout_s:g}s; no FFN connector listens there")
@@ -121,7 +126,7 @@ class LoopbackConnector(AFDConnector):
             if self.key in _listeners:
                 raise AFDConnectionError(f"{self.me} cannot listen on {self.address}: "
                                          f"another FFN connector listens there")
-            self._incoming = _listeners[self.key] = queue.Queue()
+            incoming = self._incoming = _listeners[self.key] = queue.Queue()
             _listeners_changed.notify_all()
         expected = self.expected_peers()
         missing = lambda: [p for p in expected if p not in self._links]  # noqa: E731
@@ -129,14 +134,19 @@ class LoopbackConnector(AFDConnector):
                                connecting=True)
         while missing():
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or self._closing.is_set():
+            if self._closing.is_set():
+                raise AFDConnectionError(f"{self.me} was closed while it waited for "
+                                         f"attention rank(s) {missing()} on {self.address}")
+            if remaining <= 0:
                 raise AFDTimeoutError(
                     f"{self.me} waited {self.timeout_s:g}s on {self.address} for attention "
                     f"rank(s) {missing()} to connect")
             try:
-                link = self._incoming.get(timeout=min(remaining, LOG_INTERVAL_S))
+                link = incoming.get(timeout=min(remaining, LOG_INTERVAL_S))
             except queue.Empty:
                 on_wait()
+                continue
+            if link is None:  # close() from another thread
                 continue
             if self._handshake_as_ffn(link, link.name, deadline) is None:
                 link.close()
@@ -144,8 +154,10 @@ class LoopbackConnector(AFDConnector):
 
     def _stop_listening(self) -> None:
         with _listeners_changed:
-            if self._incoming is not None and _listeners.get(self.key) is self._incoming:
-                del _listeners[self.key]
+            if self._incoming is not None:
+                if _listeners.get(self.key) is self._incoming:
+                    del _listeners[self.key]
+                self._incoming.put(None)  # wakes _accept_peers if another thread closes us
             self._incoming = None
 
     def _transmit(self, peer: int, header: bytes, frame: LayerFrame | None,
@@ -178,6 +190,6 @@ class LoopbackConnector(AFDConnector):
 
     def _close_transport(self) -> None:
         self._stop_listening()
-        for link in self._links.values():
+        for link in list(self._links.values()):
             link.close()
         self._payloads.clear()

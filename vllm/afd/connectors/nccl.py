@@ -164,7 +164,7 @@ class NcclConnector(TcpConnector):
         if key not in self._device_buffers:
             self._device_buffers[key] = torch.empty(self.max_bytes, dtype=torch.uint8,
                                                     device=self.device)
-        view = self._device_buffers[key][:frame.nbytes].view(dtype).view(frame.shape)
+        view = self._typed_view(key, self._device_buffers[key], dtype, frame.shape)
         comm = self._comms[peer][1]
         if view.is_cuda:
             stream = self._stream("recv")
@@ -187,4 +187,5 @@ class NcclConnector(TcpConnector):
                     logger.debug("%s: destroying an NCCL communicator failed: %s", self.me, e)
         self._comms.clear()
         self._device_buffers.clear()
+        self._views.clear()
         self._streams.clear()

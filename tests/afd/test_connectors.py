@@ -1,0 +1,687 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""AFD connectors end to end: real sockets, real shared memory, real threads and
+forked processes. The only stand-in is the NCCL communicator (no GPU here):
+the nccl connector runs its whole protocol with FakeNccl moving the tensors."""
+
+import logging
+import multiprocessing
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm.afd import wire
+from vllm.afd.config import AFDConfig
+from vllm.afd.connectors import (
+    AFDConnectionError,
+    AFDTimeoutError,
+    ProtocolError,
+    connector_names,
+    create_connector,
+    register_connector,
+)
+from vllm.afd.connectors import base as connectors_base
+from vllm.afd.connectors.loopback import LoopbackConnector
+from vllm.afd.connectors.nccl import NcclConnector
+from vllm.afd.connectors.shm import ShmConnector
+from vllm.afd.connectors.tcp import MAGIC, PREFIX, TcpConnector
+from vllm.afd.wire import LayerFrame, StepHeader
+
+KINDS = ["loopback", "tcp", "shm", "nccl"]
+HIDDEN = 64
+MAX_TOKENS = 32
+
+
+class FakeNccl:
+    """Stands in for PyNccl: communicators meet by unique id within this
+    process; send() queues a copy, recv() copies it into the posted tensor and
+    insists on matching shape and dtype (real NCCL would corrupt silently)."""
+
+    def __init__(self) -> None:
+        self.queues: dict[tuple, queue.Queue] = defaultdict(queue.Queue)
+        self.lock = threading.Lock()
+        self.created: list[tuple[bytes, int]] = []
+
+    def unique_id(self) -> bytes:
+        return os.urandom(128)
+
+    def create(self, unique_id: bytes, rank: int, world_size: int, device) -> "FakeComm":
+        assert world_size == 2 and rank in (0, 1) and torch.device(device).type == "cpu"
+        with self.lock:
+            self.created.append((unique_id, rank))
+        return FakeComm(self, unique_id, rank)
+
+    def destroy(self, comm: "FakeComm") -> None:
+        comm.destroyed = True
+
+    def queue(self, unique_id: bytes, src: int, dst: int) -> queue.Queue:
+        with self.lock:
+            return self.queues[(unique_id, src, dst)]
+
+
+class FakeComm:
+    def __init__(self, nccl: FakeNccl, unique_id: bytes, rank: int) -> None:
+        self.nccl, self.unique_id, self.rank, self.destroyed = nccl, unique_id, rank, False
+
+    def send(self, tensor: torch.Tensor, dst: int, stream=None) -> None:
+        self.nccl.queue(self.unique_id, self.rank, dst).put(tensor.clone())
+
+    def recv(self, tensor: torch.Tensor, src: int, stream=None) -> None:
+        sent = self.nccl.queue(self.unique_id, src, self.rank).get(timeout=10)
+        assert (sent.shape, sent.dtype) == (tensor.shape, tensor.dtype)
+        tensor.copy_(sent)
+
+
+FAKE_NCCL = FakeNccl()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make(kind: str, role: str, port: int, *, dtype=torch.float32, timeout_s: float = 10,
+         num_ubatches: int = 1, num_attention_ranks: int = 1, hidden_size: int = HIDDEN,
+         max_tokens: int = MAX_TOKENS, **kwargs):
+    cfg = AFDConfig(role=role, connector=kind, port=port, timeout_s=timeout_s,
+                    num_ubatches=num_ubatches, num_attention_ranks=num_attention_ranks)
+    if kind == "nccl":
+        kwargs.setdefault("communicator_factory", FAKE_NCCL)
+        kwargs.setdefault("device", "cpu")
+    return create_connector(cfg, hidden_size=hidden_size, dtype=dtype,
+                            max_tokens=max_tokens, **kwargs)
+
+
+class Background(threading.Thread):
+    """Runs fn in a thread; join_result() re-raises its exception here."""
+
+    def __init__(self, fn, *args) -> None:
+        super().__init__(daemon=True)
+        self.fn, self.args, self.result, self.error = fn, args, None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            self.error = e
+
+    def join_result(self, timeout: float = 30):
+        self.join(timeout)
+        assert not self.is_alive(), "background thread hung"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def connect_pair(kind: str, ffn_first: bool = True, delay: float = 0.0, **kwargs):
+    port = free_port()
+    ffn, attn = make(kind, "ffn", port, **kwargs), make(kind, "attention", port, **kwargs)
+    first, second = (ffn, attn) if ffn_first else (attn, ffn)
+    waiter = Background(first.connect)
+    time.sleep(delay)  # let the first side really wait
+    second.connect()
+    waiter.join_result()
+    return attn, ffn
+
+
+def ffn_serve(ffn, num_layers: int) -> int:
+    """The FFN loop: out = h * 2 + layer_id, until SHUTDOWN; returns steps served."""
+    steps = 0
+    while True:
+        step = ffn.recv_step(0)
+        if step.is_shutdown or step.is_goodbye:
+            return steps
+        for layer in range(num_layers):
+            for ubatch in range(len(step.num_tokens)):
+                h = ffn.recv_hidden(0, layer, ubatch)
+                ffn.send_output(0, layer, ubatch, h * 2 + layer)
+        steps += 1
+
+
+def shm_entries(port: int) -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").glob(f"vllm-afd-{port}-*"))
+
+
+# ------------------------------------------------------------------ exchange
+@pytest.mark.parametrize("num_ubatches, dtype", [(1, torch.float32), (2, torch.bfloat16),
+                                                 (3, torch.float32), (4, torch.bfloat16)])
+@pytest.mark.parametrize("kind", KINDS)
+def test_full_exchange(kind, num_ubatches, dtype):
+    num_layers, num_steps = 3, 3  # steps: see plans
+    attn, ffn = connect_pair(kind, num_ubatches=num_ubatches, dtype=dtype)
+    server = Background(ffn_serve, ffn, num_layers)
+    g = torch.Generator().manual_seed(0)
+    cap = MAX_TOKENS // num_ubatches
+    plans = [[0] + [1] * (num_ubatches - 1),  # an empty micro-batch, decode-sized ones
+             [cap] * num_ubatches,  # every slot full, max_tokens in all
+             [(7 * u + 3) % cap + 1 for u in range(num_ubatches)]]  # uneven
+    try:
+        for step_id, tokens in enumerate(plans):
+            flags = wire.DUMMY if step_id == 0 else 0  # the warm-up step
+            attn.send_step(StepHeader(step_id=step_id * 10, num_tokens=tokens, flags=flags))
+            for layer in range(num_layers):
+                hidden = [torch.randn(n, HIDDEN, generator=g).to(dtype) for n in tokens]
+                for u, h in enumerate(hidden):
+                    attn.send_hidden(layer, u, h)
+                # All outputs of the layer at once: each micro-batch's view stays
+                # valid while the others arrive.
+                outs = [attn.recv_output(layer, u) for u in range(num_ubatches)]
+                for h, out in zip(hidden, outs, strict=True):
+                    assert out.dtype == dtype and out.shape == h.shape
+                    assert torch.equal(out, h * 2 + layer)
+        attn.send_step(StepHeader(step_id=0, num_tokens=[], flags=wire.SHUTDOWN))
+        assert server.join_result() == num_steps
+        # Both ends count the same traffic (headers and payloads).
+        assert attn.bytes_sent == ffn.bytes_received > 0
+        assert ffn.bytes_received > 0 and attn.bytes_received == ffn.bytes_sent
+    finally:
+        attn.close()
+        ffn.close()
+        attn.close()  # idempotent
+
+
+@pytest.mark.parametrize("ffn_first", [True, False], ids=["ffn-first", "attention-first"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_either_side_starts_first(kind, ffn_first):
+    attn, ffn = connect_pair(kind, ffn_first=ffn_first, delay=0.3)
+    try:
+        assert attn.connected_peers == [0] and ffn.connected_peers == [0]
+        server = Background(ffn_serve, ffn, 1)
+        attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
+        attn.send_hidden(0, 0, torch.ones(2, HIDDEN))
+        assert attn.recv_output(0, 0).eq(2.0).all()
+        attn.close()  # the FFN sees GOODBYE and returns
+        assert server.join_result() == 1
+    finally:
+        attn.close()
+        ffn.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_attention_ranks_share_one_ffn(kind):
+    port = free_port()
+    ffn = make(kind, "ffn", port, num_attention_ranks=2)
+    attns = [make(kind, "attention", port, num_attention_ranks=2, rank=r) for r in (1, 0)]
+    waiter = Background(ffn.connect)
+    dialers = [Background(a.connect) for a in attns]
+    try:
+        waiter.join_result()
+        for d in dialers:
+            d.join_result()
+        assert ffn.connected_peers == [0, 1]
+        for a in attns:
+            a.send_step(StepHeader(step_id=3, num_tokens=[a.rank + 1]))
+            a.send_hidden(0, 0, torch.full((a.rank + 1, HIDDEN), float(a.rank)))
+        for peer in (1, 0):  # the FFN picks which peer to serve
+            assert ffn.recv_step(peer).num_tokens == [peer + 1]
+            h = ffn.recv_hidden(peer, 0, 0)
+            ffn.send_output(peer, 0, 0, h + 10 * peer)
+        for a in attns:
+            assert a.recv_output(0, 0).eq(11.0 * a.rank).all()
+    finally:
+        for a in attns:
+            a.close()
+        ffn.close()
+
+
+def test_nccl_exchanges_unique_ids_in_handshake():
+    before = len(FAKE_NCCL.created)
+    attn, ffn = connect_pair("nccl")
+    attn.close()
+    ffn.close()
+    created = FAKE_NCCL.created[before:]
+    # Two communicators (one per direction), each joined by both ranks with
+    # the ids the FFN minted and sent in its HelloAck.
+    assert sorted(rank for _, rank in created) == [0, 0, 1, 1]
+    assert len({uid for uid, _ in created}) == 2
+
+
+# ------------------------------------------------------------------ failures
+@pytest.mark.parametrize("kind", KINDS)
+def test_connect_timeout_names_the_address(kind, monkeypatch):
+    monkeypatch.setattr(connectors_base, "LOG_INTERVAL_S", 0.3)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    base_logger = logging.getLogger(connectors_base.__name__)
+    old_level = base_logger.level
+    base_logger.setLevel(logging.INFO)  # the source tree may leave vllm's logging unset
+    base_logger.addHandler(handler)
+    try:
+        lonely_ffn = make(kind, "ffn", free_port(), timeout_s=1)
+        ffn_wait = Background(lonely_ffn.connect)
+        lonely_attn = make(kind, "attention", free_port(), timeout_s=1)
+        start = time.monotonic()
+        with pytest.raises(AFDTimeoutError) as e:
+            lonely_attn.connect()
+        assert 0.9 < time.monotonic() - start < 3
+        assert lonely_attn.address in str(e.value) and "FFN rank 0" in str(e.value)
+        with pytest.raises(AFDTimeoutError) as e:
+            ffn_wait.join_result()
+        assert lonely_ffn.address in str(e.value) and "attention rank(s) [0]" in str(e.value)
+    finally:
+        base_logger.removeHandler(handler)
+        base_logger.setLevel(old_level)
+        lonely_ffn.close()
+        lonely_attn.close()
+    waiting = [r.getMessage() for r in records if "waiting for FFN rank 0" in r.getMessage()]
+    assert waiting and f"at {lonely_attn.address} (" in waiting[0]
+    assert waiting[0].startswith("AFD attention rank 0 waiting for FFN rank 0 at ")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_peer_closing_mid_exchange(kind):
+    # The FFN leaves after layer 0: the attention's next wait fails at once.
+    attn, ffn = connect_pair(kind)
+
+    def serve_one_layer():
+        ffn.recv_step(0)
+        ffn.send_output(0, 0, 0, ffn.recv_hidden(0, 0, 0))
+        ffn.recv_hidden(0, 1, 0)
+        ffn.close()
+
+    server = Background(serve_one_layer)
+    try:
+        attn.send_step(StepHeader(step_id=0, num_tokens=[4]))
+        attn.send_hidden(0, 0, torch.ones(4, HIDDEN))
+        attn.recv_output(0, 0)
+        attn.send_hidden(1, 0, torch.ones(4, HIDDEN))
+        start = time.monotonic()
+        with pytest.raises(AFDConnectionError) as e:
+            attn.recv_output(1, 0)
+        assert time.monotonic() - start < 5  # not the 10 s timeout
+        assert "FFN rank 0" in str(e.value) and "closed the connection" in str(e.value)
+        assert "output of layer 1 ubatch 0 of step 0" in str(e.value)
+        server.join_result()
+        with pytest.raises(AFDConnectionError, match="unusable after an earlier error"):
+            attn.send_hidden(2, 0, torch.ones(4, HIDDEN))
+    finally:
+        attn.close()
+
+    # The attention leaves mid-step: the FFN's recv_hidden fails the same way.
+    attn, ffn = connect_pair(kind)
+    try:
+        attn.send_step(StepHeader(step_id=5, num_tokens=[1]))
+        assert ffn.recv_step(0).step_id == 5
+        attn.close()
+        with pytest.raises(AFDConnectionError) as e:
+            ffn.recv_hidden(0, 0, 0)
+        assert "attention rank 0" in str(e.value) and "closed the connection" in str(e.value)
+        assert "hidden states of layer 0 ubatch 0 of step 5" in str(e.value)
+    finally:
+        ffn.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_close_from_another_thread_interrupts_waits(kind):
+    # How a server stops its FFN loop: close() while the loop thread waits.
+    lonely = make(kind, "ffn", free_port())
+    waiter = Background(lonely.connect)
+    time.sleep(0.1)
+    start = time.monotonic()
+    lonely.close()
+    with pytest.raises(AFDConnectionError, match="AFD ffn rank 0 was closed while it waited "
+                       r"for attention rank\(s\) \[0\]"):
+        waiter.join_result()
+    attn, ffn = connect_pair(kind)
+    try:
+        waiter = Background(ffn.recv_step, 0)
+        time.sleep(0.1)
+        ffn.close()
+        with pytest.raises(AFDConnectionError, match="AFD ffn rank 0 was closed while it "
+                           "waited for the next step"):
+            waiter.join_result()
+        assert time.monotonic() - start < 5  # well under the 10 s timeout
+    finally:
+        attn.close()
+        ffn.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reported_error_reaches_the_peer(kind):
+    attn, ffn = connect_pair(kind)
+    try:
+        attn.send_step(StepHeader(step_id=0, num_tokens=[3]))
+        attn.send_hidden(0, 0, torch.zeros(3, HIDDEN))
+        ffn.recv_step(0)
+        ffn.recv_hidden(0, 0, 0)
+        ffn.report_error("MoE kernel failed on layer 0")  # e.g. the FFN model raised
+        with pytest.raises(AFDConnectionError, match="FFN rank 0 reported a fatal error while "
+                           "AFD attention rank 0 waited for the output of layer 0 ubatch 0 "
+                           "of step 0: AFD ffn rank 0: MoE kernel failed on layer 0"):
+            attn.recv_output(0, 0)
+        with pytest.raises(AFDConnectionError, match="unusable"):
+            ffn.recv_step(0)
+    finally:
+        attn.close()
+        ffn.close()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "loopback"])
+def test_late_answer_times_out(kind):
+    attn, ffn = connect_pair(kind, timeout_s=1)
+    try:
+        attn.send_step(StepHeader(step_id=0, num_tokens=[3]))
+        attn.send_hidden(0, 0, torch.zeros(3, HIDDEN))
+        start = time.monotonic()
+        with pytest.raises(AFDTimeoutError) as e:
+            attn.recv_output(0, 0)  # the FFN never computes
+        assert 0.9 < time.monotonic() - start < 3
+        assert str(e.value).startswith("AFD attention rank 0 timed out after 1s waiting for "
+                                       "the output of layer 0 ubatch 0 of step 0 from FFN "
+                                       "rank 0")
+        # The FFN is told why instead of waiting out its own timeout.
+        ffn.recv_step(0)
+        ffn.recv_hidden(0, 0, 0)
+        with pytest.raises(AFDConnectionError, match="attention rank 0 reported a fatal "
+                           "error.*AFDTimeoutError: AFD attention rank 0 timed out"):
+            ffn.recv_hidden(0, 1, 0)
+    finally:
+        attn.close()
+        ffn.close()
+
+
+def raw_frame(message: wire.Message, payload: bytes = b"", announced: int | None = None):
+    header = wire.encode(message)
+    announced = len(payload) if announced is None else announced
+    return PREFIX.pack(MAGIC, len(header), announced) + header + payload
+
+
+@pytest.mark.parametrize("garbage, needle", [
+    (b"GET / HTTP/1.1\r\nHost: ffn\r\n\r\n",
+     "expected magic b'AFD1', received b'GET '"),
+    (PREFIX.pack(MAGIC, 1 << 30, 0), "frame header length from attention rank 0"),
+    (PREFIX.pack(MAGIC, 3, 0) + b"\x93\x01\x02", "malformed AFD message from attention rank 0"),
+    (raw_frame(LayerFrame(step_id=0, layer_id=0, ubatch_id=0, dtype="float32",
+                          shape=[2**20, HIDDEN], nbytes=2**20 * HIDDEN * 4)),
+     "LayerFrame.shape: expected [4, 64], received [1048576, 64]"),
+    (raw_frame(LayerFrame(step_id=0, layer_id=7, ubatch_id=0, dtype="float32",
+                          shape=[4, HIDDEN], nbytes=4 * HIDDEN * 4)),
+     "LayerFrame.layer_id: expected 0, received 7"),
+    (raw_frame(LayerFrame(step_id=0, layer_id=0, ubatch_id=0, dtype="float32",
+                          shape=[4, HIDDEN], nbytes=4 * HIDDEN * 4), announced=1 << 40),
+     ("payload length from attention rank 0: expected 1024 (LayerFrame.nbytes), received "
+      "1099511627776")),
+], ids=["http", "huge-header", "bad-msgpack", "oversized", "wrong-layer", "lying-length"])
+def test_malformed_frame_on_the_socket(garbage, needle):
+    attn, ffn = connect_pair("tcp")
+    try:
+        attn.send_step(StepHeader(step_id=0, num_tokens=[4]))
+        ffn.recv_step(0)
+        attn._links[0].sock.sendall(garbage)  # bypass the connector: raw bytes
+        with pytest.raises(ProtocolError) as e:
+            ffn.recv_hidden(0, 0, 0)
+        assert needle in str(e.value)
+        # Both sides are now unusable, with clear errors, and nothing hangs.
+        with pytest.raises(AFDConnectionError, match="unusable after an earlier error"):
+            ffn.recv_hidden(0, 0, 0)
+        with pytest.raises(AFDConnectionError, match="FFN rank 0 reported a fatal error"):
+            attn.send_hidden(0, 0, torch.zeros(4, HIDDEN))
+            attn.recv_output(0, 0)
+    finally:
+        attn.close()
+        ffn.close()
+
+
+def test_malformed_bytes_on_loopback():
+    attn, ffn = connect_pair("loopback")
+    try:
+        attn.send_step(StepHeader(step_id=0, num_tokens=[4]))
+        ffn.recv_step(0)
+        attn._links[0].send(b"\xc1garbage", None)
+        with pytest.raises(ProtocolError, match="malformed AFD message from attention rank 0"):
+            ffn.recv_hidden(0, 0, 0)
+    finally:
+        attn.close()
+        ffn.close()
+
+
+def test_stray_client_does_not_stop_the_ffn():
+    port = free_port()
+    ffn = make("tcp", "ffn", port)
+    waiter = Background(ffn.connect)
+    time.sleep(0.1)
+    with socket.create_connection(("127.0.0.1", port)) as stray:
+        stray.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        attn = make("tcp", "attention", port)
+        attn.connect()
+        waiter.join_result()
+    try:
+        server = Background(ffn_serve, ffn, 1)
+        attn.send_step(StepHeader(step_id=0, num_tokens=[1]))
+        attn.send_hidden(0, 0, torch.ones(1, HIDDEN))
+        assert attn.recv_output(0, 0).eq(2).all()
+        attn.send_step(StepHeader(step_id=0, num_tokens=[], flags=wire.SHUTDOWN))
+        server.join_result()
+    finally:
+        attn.close()
+        ffn.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_handshake_refuses_mismatched_peer(kind):
+    port = free_port()
+    ffn = make(kind, "ffn", port, fingerprint={"model": "a", "layers": "4"})
+    attn = make(kind, "attention", port, hidden_size=HIDDEN * 2,
+                fingerprint={"model": "b", "extra": "1"})
+    waiter = Background(ffn.connect)
+    try:
+        with pytest.raises(ProtocolError) as e:
+            attn.connect()
+        assert f"FFN rank 0 at {attn.address} refused AFD attention rank 0" in str(e.value)
+        assert "hidden_size: expected 64, received 128" in str(e.value)
+        assert "fingerprint['model']: expected 'a', received 'b'" in str(e.value)
+        with pytest.raises(ProtocolError, match="refused attention rank 0"):
+            waiter.join_result()
+    finally:
+        attn.close()
+        ffn.close()
+    if kind == "shm":
+        assert shm_entries(ffn.port) == []
+
+
+def test_handshake_refuses_other_connector():
+    port = free_port()
+    ffn = make("nccl", "ffn", port)
+    attn = make("tcp", "attention", port)
+    waiter = Background(ffn.connect)
+    try:
+        with pytest.raises(ProtocolError, match="connector: expected 'nccl', received 'tcp'"):
+            attn.connect()
+        with pytest.raises(ProtocolError):
+            waiter.join_result()
+    finally:
+        attn.close()
+        ffn.close()
+
+
+def test_local_misuse_is_a_value_error():
+    attn, ffn = connect_pair("loopback", num_ubatches=2)
+    try:
+        with pytest.raises(ValueError, match="send_step"):
+            attn.send_hidden(0, 0, torch.zeros(1, HIDDEN))
+        with pytest.raises(ValueError, match="attention side's API"):
+            ffn.send_step(StepHeader(step_id=0, num_tokens=[1]))
+        attn.send_step(StepHeader(step_id=0, num_tokens=[2, 3]))
+        with pytest.raises(ValueError, match=r"expected shape \[2, 64\] torch.float32, got "
+                           r"\[3, 64\] torch.float32"):
+            attn.send_hidden(0, 0, torch.zeros(3, HIDDEN))
+        with pytest.raises(ValueError, match="ubatch 2 is not in step 0"):
+            attn.send_hidden(0, 2, torch.zeros(3, HIDDEN))
+        attn.send_hidden(0, 0, torch.zeros(2, HIDDEN))
+        attn.send_hidden(0, 1, torch.zeros(3, HIDDEN))
+        with pytest.raises(ValueError, match="the next one is layer 0 ubatch 0"):
+            attn.recv_output(0, 1)
+        with pytest.raises(ValueError, match="already has hidden states in flight"):
+            attn.send_hidden(1, 0, torch.zeros(2, HIDDEN))
+        with pytest.raises(ValueError, match="still waits for the output"):
+            attn.send_step(StepHeader(step_id=1, num_tokens=[1]))
+        ffn.recv_step(0)
+        for u in (0, 1):
+            with pytest.raises(ValueError, match="without its hidden states"):
+                ffn.send_output(0, 0, u, torch.zeros(2 + u, HIDDEN))
+            ffn.send_output(0, 0, u, ffn.recv_hidden(0, 0, u))
+            attn.recv_output(0, u)
+        with pytest.raises(ProtocolError, match="steps only move forward"):
+            attn.send_step(StepHeader(step_id=0, num_tokens=[1]))
+    finally:
+        attn.close()
+        ffn.close()
+
+
+# ------------------------------------------------------ processes and /dev/shm
+def _attention_process(port: int) -> None:
+    attn = make("shm", "attention", port)
+    attn.connect()
+    attn.send_step(StepHeader(step_id=0, num_tokens=[2]))
+    attn.send_hidden(0, 0, torch.ones(2, HIDDEN))
+    attn.recv_output(0, 0)
+    attn.send_hidden(1, 0, torch.ones(2, HIDDEN))
+    time.sleep(60)  # killed here
+
+
+def _ffn_process(port: int) -> None:
+    ffn = make("shm", "ffn", port)
+    ffn.connect()
+    ffn.recv_step(0)
+    ffn.send_output(0, 0, 0, ffn.recv_hidden(0, 0, 0))
+    time.sleep(60)  # killed here
+
+
+def _start(target, port: int):
+    process = multiprocessing.get_context("fork").Process(target=target, args=(port,))
+    process.start()
+    return process
+
+
+def test_shm_attention_killed():
+    port = free_port()
+    ffn = make("shm", "ffn", port)
+    child = _start(_attention_process, port)
+    try:
+        ffn.connect()
+        ffn.recv_step(0)
+        ffn.send_output(0, 0, 0, ffn.recv_hidden(0, 0, 0))
+        ffn.recv_hidden(0, 1, 0)
+        assert shm_entries(port) == []  # the attention unlinked them once mapped
+        os.kill(child.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(AFDConnectionError, match="attention rank 0 .* closed the "
+                           "connection .* while AFD ffn rank 0 waited for the next step"):
+            ffn.recv_step(0)
+        assert time.monotonic() - start < 5
+    finally:
+        ffn.close()
+        child.kill()
+        child.join()
+    assert shm_entries(ffn.port) == []
+
+
+def test_shm_ffn_killed():
+    port = free_port()
+    child = _start(_ffn_process, port)
+    attn = make("shm", "attention", port)
+    try:
+        attn.connect()
+        assert shm_entries(port) == []  # unlinked as soon as both sides mapped them
+        attn.send_step(StepHeader(step_id=0, num_tokens=[2]))
+        attn.send_hidden(0, 0, torch.full((2, HIDDEN), 5.0))
+        assert attn.recv_output(0, 0).eq(5.0).all()
+        attn.send_hidden(1, 0, torch.ones(2, HIDDEN))
+        os.kill(child.pid, signal.SIGKILL)
+        with pytest.raises(AFDConnectionError, match="FFN rank 0 .* closed the connection"):
+            attn.recv_output(1, 0)
+    finally:
+        attn.close()
+        child.kill()
+        child.join()
+    assert shm_entries(port) == []
+
+
+def test_shm_creator_unlinks_when_peer_never_attached():
+    # A peer that completes the handshake and dies before mapping anything:
+    # the FFN's segments exist until the FFN closes.
+    port = free_port()
+    ffn = make("shm", "ffn", port, timeout_s=5)
+    waiter = Background(ffn.connect)
+    attn = make("shm", "attention", port)
+    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            peer.connect(f"\0vllm-afd-{port}")
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    peer.sendall(raw_frame(attn._hello()))
+    waiter.join_result()
+    try:
+        assert len(shm_entries(port)) == 2
+        peer.close()  # dies without attaching
+        with pytest.raises(AFDConnectionError, match="closed the connection"):
+            ffn.recv_step(0)
+    finally:
+        ffn.close()
+    assert shm_entries(port) == []
+
+
+def test_shm_notify_over_tcp():
+    attn, ffn = connect_pair("shm")
+    assert attn.address.startswith("unix:@vllm-afd-")
+    attn.close()
+    ffn.close()
+    port = free_port()
+    cfg = {"role": "ffn", "connector": "shm", "port": port, "timeout_s": 5,
+           "connector_extra_config": {"notify": "tcp"}}
+    ffn = create_connector(AFDConfig(**cfg), hidden_size=HIDDEN, dtype=torch.float32,
+                           max_tokens=MAX_TOKENS)
+    attn = create_connector(AFDConfig(**{**cfg, "role": "attention"}), hidden_size=HIDDEN,
+                            dtype=torch.float32, max_tokens=MAX_TOKENS)
+    assert attn.address == f"tcp://127.0.0.1:{port}"
+    waiter = Background(ffn.connect)
+    try:
+        attn.connect()
+        waiter.join_result()
+        attn.send_step(StepHeader(step_id=0, num_tokens=[1]))
+        attn.send_hidden(0, 0, torch.ones(1, HIDDEN))
+        ffn.recv_step(0)
+        ffn.send_output(0, 0, 0, ffn.recv_hidden(0, 0, 0) + 1)
+        assert attn.recv_output(0, 0).eq(2).all()
+    finally:
+        attn.close()
+        ffn.close()
+
+
+# ------------------------------------------------------------------ registry
+def test_registry():
+    assert connector_names() == ["loopback", "nccl", "shm", "tcp"]
+    for kind, cls in [("loopback", LoopbackConnector), ("tcp", TcpConnector),
+                      ("shm", ShmConnector), ("nccl", NcclConnector)]:
+        conn = make(kind, "attention", 7700)
+        assert type(conn) is cls and conn.bytes_sent == conn.bytes_received == 0
+    cfg = AFDConfig(connector="tcp")
+    with pytest.raises(ValueError, match="unknown AFD connector 'rdma'; valid names: "
+                       "loopback, nccl, shm, tcp"):
+        create_connector(cfg, name="rdma", hidden_size=8, dtype=torch.float32, max_tokens=1)
+    with pytest.raises(ValueError, match="package.module:ClassName"):
+        register_connector("rdma", "not a target")
+    with pytest.raises(ValueError, match="already registered"):
+        register_connector("tcp", "vllm.afd.connectors.shm:ShmConnector")
+    register_connector("tcp-again", "vllm.afd.connectors.tcp:TcpConnector")
+    assert type(create_connector(cfg, name="tcp-again", hidden_size=8, dtype=torch.float32,
+                                 max_tokens=1)) is TcpConnector
+    with pytest.raises(ValueError, match="float64 cannot travel"):
+        make("tcp", "attention", 7700, dtype=torch.float64)
+    with pytest.raises(ValueError, match="attention rank 3 is not in 0-0"):
+        make("tcp", "attention", 7700, rank=3)

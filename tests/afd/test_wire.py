@@ -1,0 +1,209 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""The attention<->FFN wire format (vllm/afd/wire.py): round trips of every
+message, and every check a received header must pass."""
+
+import gc
+
+import msgspec
+import pytest
+import torch
+
+from vllm.afd import wire
+from vllm.afd.wire import ErrorFrame, Hello, HelloAck, LayerFrame, ProtocolError, StepHeader
+
+
+def hello(**overrides) -> Hello:
+    fields = {"protocol_version": wire.PROTOCOL_VERSION, "role": "attention", "rank": 1,
+              "num_attention_ranks": 2, "num_ffn_ranks": 1, "num_ubatches": 2,
+              "hidden_size": 128, "dtype": "bfloat16", "max_tokens": 256, "connector": "shm",
+              "fingerprint": {"model": "tiny-qwen3-moe", "num_layers": "4"}}
+    return Hello(**{**fields, **overrides})
+
+
+def frame(**overrides) -> LayerFrame:
+    fields = {"step_id": 7, "layer_id": 3, "ubatch_id": 1, "dtype": "float32",
+              "shape": [8, 128], "nbytes": 8 * 128 * 4}
+    return LayerFrame(**{**fields, **overrides})
+
+
+def check(f: LayerFrame, **overrides) -> torch.dtype:
+    expected = {"step_id": 7, "layer_id": 3, "ubatch_id": 1, "hidden_size": 128,
+                "max_bytes": 1 << 20}
+    return wire.check_frame(f, **{**expected, **overrides})
+
+
+@pytest.mark.parametrize("message", [
+    hello(),
+    hello(fingerprint={}),
+    HelloAck(accepted=True, rank=0, shm_segments=["vllm-afd-7700-0-a2f-1a2b3c4d",
+                                                   "vllm-afd-7700-0-f2a-1a2b3c4d"],
+             shm_slot_bytes=4096),
+    HelloAck(accepted=True, nccl_unique_ids=[bytes(range(128)), bytes(128)]),
+    HelloAck(accepted=False, reason="hidden_size: expected 128, received 64"),
+    StepHeader(step_id=0, num_tokens=[5]),
+    StepHeader(step_id=2**40, num_tokens=[3, 0, 7, 1], flags=wire.DUMMY),
+    StepHeader(step_id=0, num_tokens=[], flags=wire.GOODBYE),
+    frame(),
+    frame(dtype="bfloat16", shape=[0, 4096], nbytes=0),
+    ErrorFrame(text="FFN rank 0: MoE kernel failed"),
+], ids=lambda m: type(m).__name__)
+def test_round_trip(message):
+    data = wire.encode(message)
+    decoded = wire.decode(data)
+    assert type(decoded) is type(message)
+    assert decoded == message
+    assert wire.decode(memoryview(bytearray(data))) == message  # transports pass views
+
+
+def test_step_flags():
+    step = StepHeader(step_id=1, num_tokens=[1], flags=wire.DUMMY | wire.SHUTDOWN)
+    assert step.is_dummy and step.is_shutdown and not step.is_goodbye
+
+
+@pytest.mark.parametrize("data, needle", [
+    (b"", "Input data was truncated"),
+    (b"\xc1", "invalid"),
+    (wire.encode(frame())[:-3], "truncated"),
+    (msgspec.msgpack.encode(42), "Expected `object`, got `int`"),
+    (msgspec.msgpack.encode({"kind": "pickle", "x": 1}), "Invalid value 'pickle' - at `$.kind`"),
+    (msgspec.msgpack.encode({"step_id": 1}), "Object missing required field `kind`"),
+    (msgspec.msgpack.encode({**msgspec.to_builtins(frame()), "kind": "layer", "layer_id": -1}),
+     "Expected `int` >= 0 - at `$.layer_id`"),
+    (msgspec.msgpack.encode({"kind": "layer", "step_id": 1, "layer_id": 0}),
+     "missing required field `ubatch_id`"),
+    (msgspec.msgpack.encode({"kind": "step", "step_id": 1, "num_tokens": [1] * 5}),
+     "length <= 4 - at `$.num_tokens`"),
+    (msgspec.msgpack.encode({"kind": "layer", **{k: v for k, v in msgspec.to_builtins(
+        frame()).items() if k != "kind"}, "shape": [1] * 9}), "length <= 8 - at `$.shape`"),
+    (msgspec.msgpack.encode({"kind": "error", "text": "x" * (wire.MAX_TEXT + 1)}),
+     "length <= 4096 - at `$.text`"),
+    (msgspec.msgpack.encode({**msgspec.to_builtins(hello()), "num_ubatches": 5}),
+     "<= 4 - at `$.num_ubatches`"),
+], ids=["empty", "reserved-byte", "truncated", "not-a-map", "unknown-kind", "no-kind",
+        "negative-layer", "missing-field", "too-many-ubatches", "too-many-dims",
+        "text-too-long", "hello-ubatches"])
+def test_malformed_bytes(data, needle):
+    with pytest.raises(ProtocolError, match="malformed AFD message from FFN rank 0") as e:
+        wire.decode(data, source="FFN rank 0")
+    assert needle in str(e.value)
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility():
+    data = msgspec.msgpack.encode({**msgspec.to_builtins(frame()), "added_in_v2": 1})
+    assert wire.decode(data) == frame()
+
+
+def test_expect_names_both_kinds():
+    with pytest.raises(ProtocolError) as e:
+        wire.expect(StepHeader(step_id=1, num_tokens=[1]), LayerFrame,
+                    source="attention rank 0", waiting_for="layer 3")
+    assert str(e.value) == ("unexpected message from attention rank 0 while waiting for "
+                            "layer 3: expected LayerFrame, received StepHeader")
+
+
+def test_check_frame_accepts_and_returns_dtype():
+    assert check(frame()) is torch.float32
+    assert check(frame(dtype="bfloat16", nbytes=8 * 128 * 2), dtype=torch.bfloat16) \
+        is torch.bfloat16
+    assert check(frame(shape=[0, 128], nbytes=0)) is torch.float32
+    assert check(frame(), hidden_size=None, expected_shape=[8, 128]) is torch.float32
+    assert check(frame(shape=[8, 2, 64]), hidden_size=None,
+                 expected_shape_tail=(2, 64)) is torch.float32
+
+
+@pytest.mark.parametrize("bad, overrides, message", [
+    (frame(layer_id=4), {}, "LayerFrame.layer_id: expected 3, received 4"),
+    (frame(ubatch_id=0), {}, "LayerFrame.ubatch_id: expected 1, received 0"),
+    (frame(step_id=6), {}, "LayerFrame.step_id: expected 7, received 6"),
+    (frame(shape=[8, 64], nbytes=8 * 64 * 4), {},
+     "LayerFrame.shape: expected [num_tokens, 128], received [8, 64]"),
+    (frame(shape=[8, 128, 1]), {}, "LayerFrame.shape: expected [num_tokens, 128], received"),
+    (frame(shape=[], nbytes=0), {}, "LayerFrame.shape: expected at least one dimension"),
+    (frame(), {"expected_shape": [9, 128]},
+     "LayerFrame.shape: expected [9, 128], received [8, 128]"),
+    (frame(dtype="bfloat16", nbytes=8 * 128 * 2), {"dtype": torch.float32},
+     "LayerFrame.dtype: expected float32, received bfloat16"),
+    (frame(dtype="float64"), {}, ("LayerFrame.dtype: expected one of float32, bfloat16, "
+                                  "float16, int32, int64, received 'float64'")),
+    (frame(nbytes=8 * 128 * 2), {},
+     "LayerFrame.nbytes: expected 4096 (shape [8, 128] x float32), received 2048"),
+    (frame(shape=[4096, 128], nbytes=4096 * 128 * 4), {},
+     "LayerFrame.nbytes: expected at most 1048576, received 2097152"),
+    # A hostile header whose nbytes is consistent with a gigantic shape: refused
+    # by the size check, nothing is allocated.
+    (frame(shape=[2**40, 128], nbytes=2**40 * 128 * 4), {},
+     f"LayerFrame.nbytes: expected at most 1048576, received {2**40 * 512}"),
+], ids=["layer", "ubatch", "step", "hidden", "ndim", "no-dims", "tokens", "dtype",
+        "dtype-not-allowed", "nbytes-mismatch", "oversized", "hostile-shape"])
+def test_check_frame_errors(bad, overrides, message):
+    with pytest.raises(ProtocolError) as e:
+        check(bad, context="from FFN rank 0", **overrides)
+    assert str(e.value).startswith(message)
+    assert str(e.value).endswith("(from FFN rank 0)")
+
+
+@pytest.mark.parametrize("step, message", [
+    (StepHeader(step_id=3, num_tokens=[1, 1, 1]),
+     "StepHeader.num_tokens: expected 1 to 2 micro-batches, received 3 ([1, 1, 1])"),
+    (StepHeader(step_id=3, num_tokens=[]),
+     "StepHeader.num_tokens: expected 1 to 2 micro-batches, received 0 ([])"),
+    (StepHeader(step_id=3, num_tokens=[60, 5]),
+     "StepHeader.num_tokens: expected at most 64 tokens in all, received 65 ([60, 5])"),
+    (StepHeader(step_id=1, num_tokens=[1]),
+     "StepHeader.step_id: expected >= 2 (steps only move forward), received 1"),
+    (StepHeader(step_id=3, num_tokens=[1], flags=64),
+     "StepHeader.flags: expected only bits 0x7, received 0x40"),
+])
+def test_check_step_errors(step, message):
+    with pytest.raises(ProtocolError, match="^" + message.replace("[", r"\[").replace(
+            "(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+        wire.check_step(step, num_ubatches=2, max_tokens=64, min_step_id=2)
+
+
+def test_check_step_accepts():
+    ok = StepHeader(step_id=2, num_tokens=[64, 0], flags=wire.DUMMY)
+    assert wire.check_step(ok, num_ubatches=2, max_tokens=64, min_step_id=2) is ok
+    bye = StepHeader(step_id=0, num_tokens=[], flags=wire.GOODBYE)
+    assert wire.check_step(bye, num_ubatches=2, max_tokens=64, min_step_id=9) is bye
+
+
+@pytest.mark.parametrize("dtype", list(wire.DTYPES.values()))
+def test_tensor_bytes_round_trip(dtype):
+    t = (torch.randn(5, 7) * 100).to(dtype)
+    buffer = wire.tensor_to_buffer(t)
+    assert buffer.nbytes == t.numel() * t.element_size()
+    data = bytes(buffer)
+    back = wire.tensor_from_buffer(data, dtype, [5, 7])  # read-only source
+    assert back.dtype == dtype and torch.equal(back, t)
+    writable = bytearray(data)
+    view = wire.tensor_from_buffer(writable, dtype, [5, 7])
+    writable[:] = bytes(len(writable))  # a view, not a copy
+    assert not view.any()
+
+
+def test_tensor_bytes_zero_size_and_lifetime():
+    empty = torch.empty(0, 16, dtype=torch.bfloat16)
+    assert wire.tensor_to_buffer(empty).nbytes == 0
+    assert wire.tensor_from_buffer(b"", torch.bfloat16, [0, 16]).shape == (0, 16)
+    buffer = wire.tensor_to_buffer(torch.full((1024,), 3.0))
+    gc.collect()  # the view keeps the (otherwise unreferenced) tensor alive
+    assert wire.tensor_from_buffer(bytes(buffer), torch.float32, [1024]).eq(3.0).all()
+
+
+def test_tensor_helpers_reject_bad_input():
+    with pytest.raises(ProtocolError, match=r"payload length: expected 48 \(shape \[4, 3\] x "
+                       r"float32\), received 40"):
+        wire.tensor_from_buffer(bytes(40), torch.float32, [4, 3])
+    with pytest.raises(ValueError, match="contiguous"):
+        wire.tensor_to_buffer(torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match="float64 cannot travel"):
+        wire.dtype_name(torch.float64)
+    with pytest.raises(ProtocolError, match="received 'float64'"):
+        wire.torch_dtype("float64")
+
+
+def test_layer_frame_describes_tensor():
+    t = torch.zeros(3, 64, dtype=torch.bfloat16)
+    assert wire.layer_frame(t, step_id=1, layer_id=2, ubatch_id=0) == LayerFrame(
+        step_id=1, layer_id=2, ubatch_id=0, dtype="bfloat16", shape=[3, 64], nbytes=384)
