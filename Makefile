@@ -18,7 +18,7 @@ AFD_SOURCES := $(shell git ls-files vllm/afd csrc patches) setup.py pyproject.to
 	tools/vendor.py tools/series.py tools/upstream.py
 WHEEL_STAMP := build/.installed-$(FLAVOR)
 
-.PHONY: demo test dev-test env vendor wheel install models check-series docs clean
+.PHONY: demo test dev-test upstream-test env vendor wheel install models check-series docs clean
 
 demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
@@ -62,6 +62,10 @@ dev-test: $(WHEEL_STAMP) models
 	VLLM_AFD_FLAVOR=$(FLAVOR) $(PY) setup.py -q build_ext --inplace
 	VLLM_AFD_TEST_SOURCE_TREE=1 PYTHONPATH=$(CURDIR) $(VENV)/bin/pytest -q $(ARGS)
 
+# Upstream vLLM's own tests of the modules our patches touch, stock wheel vs ours.
+upstream-test: $(WHEEL_STAMP)
+	$(PY) tools/upstream_tests.py
+
 check-series: env
 	$(PY) tools/check_series.py
 
@@ -69,5 +73,5 @@ docs: env
 	$(PY) tools/check_series.py --write-docs
 
 clean:
-	rm -rf build dist .vendor .pc .pc-* *.egg-info
+	rm -rf build dist .vendor .pc .pc-* *.egg-info .venv-upstream
 	find vllm -mindepth 1 -maxdepth 1 ! -name afd -exec rm -rf {} +

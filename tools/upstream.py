@@ -43,6 +43,8 @@ class Pin:
     version: str
     afd_release: int
     flavors: dict[str, Flavor]
+    sdist: str = ""
+    sdist_sha256: str = ""
 
     def flavor(self, name: str) -> Flavor:
         if name not in self.flavors:
@@ -72,7 +74,8 @@ def load_pin(root: Path = REPO_ROOT) -> Pin:
             sha256=f["sha256"].lower(),
             drop_requirements=tuple(f.get("drop_requirements", ())),
         )
-    return Pin(version=up["version"], afd_release=int(up["afd_release"]), flavors=flavors)
+    return Pin(version=up["version"], afd_release=int(up["afd_release"]), flavors=flavors,
+               sdist=up.get("sdist", ""), sdist_sha256=up.get("sdist_sha256", "").lower())
 
 
 def sha256_file(path: Path) -> str:
@@ -145,4 +148,40 @@ def fetch_base_wheel(pin: Pin, flavor_name: str, quiet: bool = False) -> Path:
             )
         verify(got, flavor)
         shutil.move(str(got), cached)
+    return cached
+
+
+def fetch_sdist(pin: Pin) -> Path:
+    """The verified upstream source distribution (for upstream's own tests).
+
+    `pip download` of an sdist builds its metadata, which for vLLM needs its whole
+    build toolchain; pip's own index lookup and session fetch the file instead.
+    """
+    if not pin.sdist:
+        raise PinError("upstream.toml has no [upstream] sdist entry")
+    cached = cache_dir() / pin.sdist
+    if not cached.exists():
+        from pip._internal.commands.download import DownloadCommand
+
+        cmd = DownloadCommand("download", "fetch the vLLM sdist")
+        options, _ = cmd.parse_args(["--no-deps", "--no-binary", ":all:", "vllm"])
+        with cmd.main_context():
+            session = cmd.get_default_session(options)
+            finder = cmd._build_package_finder(options=options, session=session)
+            links = [c.link for c in finder.find_all_candidates("vllm")
+                     if c.link.filename == pin.sdist]
+            if not links:
+                raise PinError(f"{pin.sdist} not found on the package index")
+            print(f"[vllm-afd] downloading {pin.sdist}", file=sys.stderr)
+            resp = session.get(links[0].url_without_fragment, stream=True)
+            resp.raise_for_status()
+            cache_dir().mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(".part")
+            with open(tmp, "wb") as f:
+                for chunk in resp.iter_content(1 << 20):
+                    f.write(chunk)
+            tmp.replace(cached)
+    got = sha256_file(cached)
+    if got != pin.sdist_sha256:
+        raise PinError(f"sha256 mismatch for {cached}: expected {pin.sdist_sha256}, got {got}")
     return cached
