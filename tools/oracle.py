@@ -5,7 +5,8 @@
     python tools/oracle.py MODEL --out result.json [--afd-config JSON] [--compile]
 
 Runs an in-process `LLM` (VLLM_ENABLE_V1_MULTIPROCESSING=0). With --afd-config
-the engine is the attention role and needs an FFN server listening. The prompts
+the engine is the attention role and needs an FFN server listening; with the
+`loopback` connector the FFN engine runs in this process too. The prompts
 have different lengths and a small token budget per step, so steps mix prefill
 and decode. The correctness oracle compares two such result files.
 """
@@ -17,9 +18,9 @@ import sys
 import time
 
 PROMPTS = [
+    "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole",
     "Hello",
     "The capital of France is",
-    "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole",
     "1 2 3 4 5 6 7 8 9 10 11 12",
     "def fibonacci(n):",
     "Once upon a time, in a land far away, there was a small village where",
@@ -41,6 +42,9 @@ def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int
     if afd_config:
         kwargs["afd_config"] = json.loads(afd_config)
         kwargs["afd_role"] = "attention"
+    ffn_engine = None
+    if afd_config and kwargs["afd_config"].get("connector") == "loopback":
+        ffn_engine = start_inprocess_ffn(kwargs)
     t0 = time.monotonic()
     llm = LLM(**kwargs)
     t_init = time.monotonic() - t0
@@ -58,7 +62,19 @@ def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int
             "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
             "text": c.text,
         })
+    if ffn_engine is not None:
+        ffn_engine.shutdown()
     return {"results": results, "init_s": t_init, "generate_s": t_gen}
+
+
+def start_inprocess_ffn(llm_kwargs: dict):
+    """The FFN role in this process (uniprocessor executor): the loopback
+    connector's two ends must share a process."""
+    from vllm.afd.ffn_engine import FFNEngine
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs = dict(llm_kwargs, afd_role="ffn", distributed_executor_backend="uni")
+    return FFNEngine(EngineArgs(**kwargs).create_engine_config())
 
 
 def main() -> int:

@@ -29,18 +29,24 @@ COMMON = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
 MAX_TOKENS = 16
 
 
-def plain_reference(model: Path, out: Path) -> dict:
+def plain_reference(model: Path, out: Path, num_prompts: int) -> dict:
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "oracle.py"), str(model), "--out", str(out)],
+        [sys.executable, str(REPO / "tools" / "oracle.py"), str(model), "--out", str(out),
+         "--num-prompts", str(num_prompts)],
         capture_output=True, text=True, timeout=600, cwd=out.parent,
         env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
 
-def test_two_role_serve_matches_plain(models_dir, tmp_path):
-    model = models_dir / "tiny-qwen3-moe"
-    plain = plain_reference(model, tmp_path / "plain.json")
+@pytest.mark.parametrize("model_name", ["tiny-qwen3-moe", "tiny-deepseek-v2",
+                                        "tiny-deepseek-v3"])
+def test_two_role_serve_matches_plain(models_dir, tmp_path, model_name):
+    model = models_dir / model_name
+    # MLA on CPU is not batch-invariant run to run (shared reference §8): the
+    # DeepSeek models are compared on one prompt, where plain vLLM is stable.
+    prompts = PROMPTS if "qwen" in model_name else PROMPTS[:1]
+    plain = plain_reference(model, tmp_path / "plain.json", len(prompts))
     afd = json.dumps({"connector": "shm", "port": free_port(), "timeout_s": 60})
     ffn = Server(str(model), [*COMMON, "--afd-role", "ffn", "--afd-config", afd],
                  log_path=tmp_path / "ffn.log", env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
@@ -64,10 +70,10 @@ def test_two_role_serve_matches_plain(models_dir, tmp_path):
 
         client = openai.OpenAI(base_url=attn.url + "/v1", api_key="x")
         comp = client.completions.create(
-            model=str(model), prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0,
+            model=str(model), prompt=prompts, max_tokens=MAX_TOKENS, temperature=0,
             logprobs=1, extra_body={"ignore_eos": True, "return_token_ids": True})
         choices = sorted(comp.choices, key=lambda c: c.index)
-        assert len(choices) == len(PROMPTS)
+        assert len(choices) == len(prompts)
         for ref, got in zip(plain["results"], choices):
             assert got.token_ids == ref["token_ids"], ref["prompt"]
             diff = max(abs(a - b) for a, b in zip(got.logprobs.token_logprobs,

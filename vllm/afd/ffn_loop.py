@@ -13,7 +13,7 @@ import torch
 
 from vllm.afd.connectors.base import AFDConnector, AFDTimeoutError, create_connector
 from vllm.afd.model_split import ffn_layers
-from vllm.forward_context import set_forward_context
+from vllm.forward_context import create_forward_context, override_forward_context
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -97,11 +97,12 @@ class FFNLoop:
 
     @torch.inference_mode()
     def _serve_step(self, header) -> None:
-        num_tokens = sum(header.num_tokens)
-        with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
-            for layer_idx, mlp in self.layers.items():
-                h = self.connector.recv_hidden(0, layer_idx, 0)
+        # The forward context is entered per layer, only while the mlp runs: the
+        # attention side is blocked waiting for this layer then, so even an
+        # attention engine in this very process (loopback) never sees it.
+        ctx = create_forward_context(None, self.vllm_config)
+        for layer_idx, mlp in self.layers.items():
+            h = self.connector.recv_hidden(0, layer_idx, 0)
+            with override_forward_context(ctx):
                 out = mlp(h)
-                self.connector.send_output(0, layer_idx, 0, out)
-
-
+            self.connector.send_output(0, layer_idx, 0, out)
