@@ -24,7 +24,7 @@ demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
 
 test: $(WHEEL_STAMP) models
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 env: $(VENV)/.stamp
 $(VENV)/.stamp: requirements/dev.txt
