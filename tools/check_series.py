@@ -166,7 +166,7 @@ def render_docs(root: Path) -> str:
                 f"- Upstream symbols: {', '.join(f'`{s}`' for s in p.symbols)}",
                 f"- Forwarded: {p.fields.get('Forwarded', '')}",
                 f"- Removal: {' '.join(p.fields.get('Removal', '').split())}",
-                f"- Test: {' '.join(p.fields.get('Test', 'tests/build/test_installed_wheel.py').split())}",
+                f"- Test: {' '.join(p.fields.get('Test', 'tests/packaging/test_installed_wheel.py').split())}",
                 f"- Last update: {p.fields.get('Last-Update', '')}",
                 "",
             ]

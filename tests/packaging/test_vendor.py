@@ -86,6 +86,9 @@ def test_quilt_edit_refresh_revendor(root):
     vendor("cpu", root)
     env = dict(os.environ)
     quilt = ["quilt", "--quiltrc=.quiltrc"]
+    # Go back to the patch to edit (later patches are taken off the tree) ...
+    subprocess.run(quilt + ["pop", "-q", COMMON], cwd=root, env=env, check=True,
+                   capture_output=True)
     top = subprocess.run(quilt + ["top"], cwd=root, env=env, capture_output=True, text=True)
     assert top.stdout.strip() == COMMON, top.stderr
     target = root / PATCHED
@@ -93,6 +96,8 @@ def test_quilt_edit_refresh_revendor(root):
         "    parser = FlexibleArgumentParser(", "    # vllm-afd: edited in place\n"
         "    parser = FlexibleArgumentParser(", 1))
     subprocess.run(quilt + ["refresh"], cwd=root, env=env, check=True, capture_output=True)
+    # ... and put them back on, at fuzz 0.
+    subprocess.run(quilt + ["push", "-aq"], cwd=root, env=env, check=True, capture_output=True)
     patch_text = (root / "patches" / COMMON).read_text()
     assert "+    # vllm-afd: edited in place" in patch_text
     assert patch_text.startswith("Description: ")  # quilt kept the DEP-3 header
