@@ -471,6 +471,16 @@ class AFDConnector(ABC):
         if not t.is_contiguous():
             raise ValueError(f"{self.me}: {what} must be contiguous")
 
+    def _wait_budget(self, deadline: float, waited_for: str, timeout_message: str) -> float:
+        """Seconds left before deadline in a connect wait; raise if close() was
+        called meanwhile or no time is left."""
+        remaining = deadline - time.monotonic()
+        if self._closing.is_set():
+            raise AFDConnectionError(f"{self.me} was closed while it waited for {waited_for}")
+        if remaining <= 0:
+            raise AFDTimeoutError(timeout_message)
+        return remaining
+
     def _waiter(self, what: "str | What", deadline: float | None,
                 connecting: bool = False) -> WaitCallback:
         """A callback transports call while blocked, logging every few seconds

@@ -21,7 +21,7 @@ import torch
 
 from vllm.afd import wire
 from vllm.afd.connectors.base import (LOG_INTERVAL_S, AFDConnectionError, AFDConnector,
-                                      AFDTimeoutError, LinkClosed, LinkTimeout,
+                                      LinkClosed, LinkTimeout,
                                       WaitCallback)
 from vllm.afd.wire import LayerFrame, ProtocolError
 from vllm.logger import init_logger
@@ -106,14 +106,10 @@ class LoopbackConnector(AFDConnector):
         on_wait = self._waiter(self.peer_name(0), deadline, connecting=True)
         with _listeners_changed:
             while self.key not in _listeners:
-                remaining = deadline - time.monotonic()
-                if self._closing.is_set():
-                    raise AFDConnectionError(f"{self.me} was closed while it waited for "
-                                             f"{self.peer_name(0)} at {self.address}")
-                if remaining <= 0:
-                    raise AFDTimeoutError(
-                        f"{self.me} gave up waiting for {self.peer_name(0)} at {self.address} "
-                        f"after {self.timeout_s:g}s; no FFN connector listens there")
+                remaining = self._wait_budget(
+                    deadline, f"{self.peer_name(0)} at {self.address}",
+                    f"{self.me} gave up waiting for {self.peer_name(0)} at {self.address} "
+                    f"after {self.timeout_s:g}s; no FFN connector listens there")
                 _listeners_changed.wait(min(remaining, 0.5))
                 on_wait()
             mine, theirs = QueueLink.pair(f"{self.peer_name(0)} at {self.address}",
@@ -133,14 +129,10 @@ class LoopbackConnector(AFDConnector):
         on_wait = self._waiter(f"attention rank(s) {missing()} to connect", deadline,
                                connecting=True)
         while missing():
-            remaining = deadline - time.monotonic()
-            if self._closing.is_set():
-                raise AFDConnectionError(f"{self.me} was closed while it waited for "
-                                         f"attention rank(s) {missing()} on {self.address}")
-            if remaining <= 0:
-                raise AFDTimeoutError(
-                    f"{self.me} waited {self.timeout_s:g}s on {self.address} for attention "
-                    f"rank(s) {missing()} to connect")
+            remaining = self._wait_budget(
+                deadline, f"attention rank(s) {missing()} on {self.address}",
+                f"{self.me} waited {self.timeout_s:g}s on {self.address} for attention "
+                f"rank(s) {missing()} to connect")
             try:
                 link = incoming.get(timeout=min(remaining, LOG_INTERVAL_S))
             except queue.Empty:

@@ -47,7 +47,7 @@ import torch
 
 from vllm.afd import wire
 from vllm.afd.connectors.base import (LOG_INTERVAL_S, AFDConnectionError, AFDConnector,
-                                      AFDTimeoutError, LinkClosed, LinkTimeout,
+                                      LinkClosed, LinkTimeout,
                                       WaitCallback)
 from vllm.afd.wire import LayerFrame, ProtocolError
 from vllm.logger import init_logger
@@ -211,15 +211,11 @@ class TcpConnector(AFDConnector):
         retry = RETRY_INTERVAL_S[0]
         last_error = "no attempt yet"
         while True:
-            remaining = deadline - time.monotonic()
-            if self._closing.is_set():
-                raise AFDConnectionError(f"{self.me} was closed while it waited for "
-                                         f"{self.peer_name(0)} at {self.address}")
-            if remaining <= 0:
-                raise AFDTimeoutError(
-                    f"{self.me} gave up waiting for {self.peer_name(0)} at {self.address} "
-                    f"after {self.timeout_s:g}s ({last_error}); is the FFN server (role "
-                    f"'ffn', connector '{self.name}') running with the same host and port?")
+            remaining = self._wait_budget(
+                deadline, f"{self.peer_name(0)} at {self.address}",
+                f"{self.me} gave up waiting for {self.peer_name(0)} at {self.address} "
+                f"after {self.timeout_s:g}s ({last_error}); is the FFN server (role "
+                f"'ffn', connector '{self.name}') running with the same host and port?")
             try:
                 sock = self._make_connection(min(remaining, 2.0))
             except OSError as e:
@@ -252,15 +248,11 @@ class TcpConnector(AFDConnector):
                                connecting=True)
         listener = self._listener  # close() from another thread may reset the attribute
         while missing():
-            remaining = deadline - time.monotonic()
-            if self._closing.is_set():
-                raise AFDConnectionError(f"{self.me} was closed while it waited for "
-                                         f"attention rank(s) {missing()} on {self.address}")
-            if remaining <= 0:
-                raise AFDTimeoutError(
-                    f"{self.me} waited {self.timeout_s:g}s on {self.address} for attention "
-                    f"rank(s) {missing()} to connect; is the attention server running with "
-                    f"the same host, port and connector '{self.name}'?")
+            remaining = self._wait_budget(
+                deadline, f"attention rank(s) {missing()} on {self.address}",
+                f"{self.me} waited {self.timeout_s:g}s on {self.address} for attention "
+                f"rank(s) {missing()} to connect; is the attention server running with "
+                f"the same host, port and connector '{self.name}'?")
             try:
                 listener.settimeout(min(remaining, LOG_INTERVAL_S))
                 sock, addr = listener.accept()
