@@ -62,9 +62,10 @@ def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int
             "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
             "text": c.text,
         })
+    link_stats = llm.collective_rpc("afd_link_stats")[0] if afd_config else None
     if ffn_engine is not None:
         ffn_engine.shutdown()
-    return {"results": results, "init_s": t_init, "generate_s": t_gen}
+    return {"results": results, "init_s": t_init, "generate_s": t_gen, "link_stats": link_stats}
 
 
 def start_inprocess_ffn(llm_kwargs: dict):

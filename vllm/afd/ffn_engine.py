@@ -24,6 +24,13 @@ class FFNEngine:
 
         if not is_ffn_engine(vllm_config):
             raise ValueError("FFNEngine needs a config with --afd-role ffn")
+        afd = vllm_config.afd_config
+        if afd.connector == "loopback" and afd.num_ubatches > 1:
+            # Both roles in one process share vLLM's process-wide forward
+            # context, which the ping-pong threads switch while the FFN runs.
+            raise ValueError("AFDConfig.num_ubatches: micro-batching (> 1) needs a connector "
+                             "between processes (shm, tcp or nccl); the loopback "
+                             "connector runs both roles in one process")
         self.vllm_config = vllm_config
         self.core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=False)
         self.core.collective_rpc("afd_start_ffn_loop")

@@ -13,6 +13,7 @@ import torch
 
 from vllm.afd.connectors.base import AFDConnector, AFDTimeoutError, create_connector
 from vllm.afd.model_split import ffn_layers
+from vllm.afd.stats import LinkStats, now
 from vllm.forward_context import create_forward_context, override_forward_context
 from vllm.logger import init_logger
 
@@ -35,7 +36,7 @@ class FFNLoop:
         self.thread: threading.Thread | None = None
         self.error: str | None = None  # fatal: the loop stopped
         self.last_error: str | None = None  # the last peer's failure
-        self.steps = 0
+        self.stats = LinkStats()
         self.ready = threading.Event()
 
     # --- lifecycle -------------------------------------------------------
@@ -52,7 +53,8 @@ class FFNLoop:
 
     def status(self) -> dict:
         return {"running": self.thread is not None and self.thread.is_alive(),
-                "ready": self.ready.is_set(), "error": self.error, "steps": self.steps,
+                "ready": self.ready.is_set(), "error": self.error,
+                "steps": self.stats.steps, "stats": self.stats.as_dict(),
                 "last_peer_error": self.last_error,
                 "layers": list(self.layers)}
 
@@ -93,16 +95,32 @@ class FFNLoop:
                 logger.info("AFD FFN: attention peer said goodbye")
                 return
             self._serve_step(header)
-            self.steps += 1
 
     @torch.inference_mode()
     def _serve_step(self, header) -> None:
+        # Micro-batches come layer by layer: (layer 0, ubatch 0), (layer 0,
+        # ubatch 1), ..., (layer 1, ubatch 0), ... While this side computes one,
+        # the attention side computes attention for the next (ping-pong).
         # The forward context is entered per layer, only while the mlp runs: the
         # attention side is blocked waiting for this layer then, so even an
-        # attention engine in this very process (loopback) never sees it.
+        # attention engine in this very process (loopback, m = 1) never sees it.
         ctx = create_forward_context(None, self.vllm_config)
+        stats, conn = self.stats, self.connector
+        num_ubatches = len(header.num_tokens)
+        t_step = now()
         for layer_idx, mlp in self.layers.items():
-            h = self.connector.recv_hidden(0, layer_idx, 0)
-            with override_forward_context(ctx):
-                out = mlp(h)
-            self.connector.send_output(0, layer_idx, 0, out)
+            for u in range(num_ubatches):
+                t0 = now()
+                h = conn.recv_hidden(0, layer_idx, u)
+                t1 = now()
+                with override_forward_context(ctx):
+                    out = mlp(h)
+                t2 = now()
+                conn.send_output(0, layer_idx, u, out)
+                stats.wait_s += t1 - t0
+                stats.compute_s += t2 - t1
+                stats.send_s += now() - t2
+        stats.step_wall_s += now() - t_step
+        stats.steps += 1
+        stats.layer_calls += len(self.layers) * num_ubatches
+        stats.tokens += len(self.layers) * sum(header.num_tokens)

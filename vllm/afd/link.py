@@ -14,6 +14,7 @@ import threading
 import torch
 
 from vllm.afd.config import AFDConfig
+from vllm.afd.stats import LinkStats, now
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -33,6 +34,9 @@ class AttentionLink:
         self.layers: list[int] = []
         self.step_id = 0
         self.connector = None
+        self.stats = LinkStats()
+        self._step_start = 0.0
+        self._step_calls_left = 0
 
     def add_layer(self, layer_idx: int) -> None:
         if layer_idx not in self.layers:
@@ -51,23 +55,46 @@ class AttentionLink:
         return self.connector
 
     def exchange(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Run layer `layer_idx`'s mlp on the FFN server."""
+        """Run layer `layer_idx`'s mlp on the FFN server. Inside a micro-batch
+        ping-pong (vllm.afd.ubatch), send, let the next micro-batch compute
+        while the FFN works, then receive."""
+        from vllm.afd.ubatch import current_turn
         from vllm.afd.wire import StepHeader
 
+        turn = current_turn()
+        pp, ubatch = turn if turn is not None else (None, 0)
         try:
             connector = self._connected()
-            if layer_idx == self.layers[0]:
+            t0 = now()
+            if layer_idx == self.layers[0] and ubatch == 0:
+                num_tokens = pp.num_tokens if pp is not None else [hidden_states.shape[0]]
                 self.step_id += 1
-                connector.send_step(StepHeader(step_id=self.step_id,
-                                               num_tokens=[hidden_states.shape[0]]))
-            connector.send_hidden(layer_idx, 0, hidden_states.contiguous())
-            out = connector.recv_output(layer_idx, 0)
+                connector.send_step(StepHeader(step_id=self.step_id, num_tokens=num_tokens))
+                self._step_start = t0
+                self._step_calls_left = len(self.layers) * len(num_tokens)
+                self.stats.tokens += sum(num_tokens) * len(self.layers)
+            connector.send_hidden(layer_idx, ubatch, hidden_states.contiguous())
+            t1 = now()
+            if pp is not None:
+                pp.yield_turn(ubatch)
+            t2 = now()
+            out = connector.recv_output(layer_idx, ubatch)
             # The received tensor may live in a transport buffer that the next
             # step overwrites; the model keeps layer outputs across layers.
-            return out.to(hidden_states.dtype).clone()
+            out = out.to(hidden_states.dtype).clone()
+            t3 = now()
         except Exception:
             self.reset()
             raise
+        stats = self.stats
+        stats.send_s += t1 - t0
+        stats.wait_s += t3 - t2
+        stats.layer_calls += 1
+        self._step_calls_left -= 1
+        if self._step_calls_left == 0:
+            stats.steps += 1
+            stats.step_wall_s += t3 - self._step_start
+        return out
 
     def reset(self) -> None:
         """Drop the connection; the next step reconnects."""

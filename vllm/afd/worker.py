@@ -20,6 +20,13 @@ class AFDWorkerMixin:
             return {"running": False, "ready": False, "error": None, "steps": 0}
         return self._afd_ffn_loop.status()
 
+    def afd_link_stats(self) -> dict:
+        """Attention role: the link's cumulative statistics (vllm.afd.stats);
+        empty before the first step."""
+        from vllm.afd import link
+
+        return link._link.stats.as_dict() if link._link is not None else {}
+
     def afd_stop_ffn_loop(self) -> None:
         if self._afd_ffn_loop is not None:
             self._afd_ffn_loop.stop()

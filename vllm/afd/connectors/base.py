@@ -379,11 +379,14 @@ class AFDConnector(ABC):
             problems.append(f"{field}: expected {expected!r}, received {received!r}")
 
         for field in ("protocol_version", "num_attention_ranks", "num_ffn_ranks",
-                      "num_ubatches", "hidden_size", "dtype", "connector"):
+                      "hidden_size", "dtype", "connector"):
             if getattr(hello, field) != getattr(mine, field):
                 differ(field, getattr(mine, field), getattr(hello, field))
         if hello.role != "attention":
             differ("role", "attention", hello.role)
+        if not 1 <= hello.num_ubatches <= self.num_ubatches:
+            # The FFN serves any micro-batch count up to its own.
+            differ("num_ubatches", f"1 to {self.num_ubatches}", hello.num_ubatches)
         if hello.max_tokens > self.max_tokens:
             differ("max_tokens", f"at most {self.max_tokens}", hello.max_tokens)
         if hello.rank not in self.expected_peers():
