@@ -3,7 +3,8 @@
 """`vllm serve MODEL --afd-role ffn`: the FFN engine behind a small HTTP surface.
 
 /health (200 when every worker's FFN loop runs, 503 with the reason otherwise),
-/metrics (Prometheus) and /version; any other path answers 404 with a JSON error
+/metrics (Prometheus), /version and /afd/status (loop state and link
+statistics); any other path answers 404 with a JSON error
 saying this is an FFN server, so a misrouted client learns where to go.
 """
 
@@ -48,6 +49,15 @@ def build_app(engine):
     def version():
         return {"version": vllm_version, "afd_version": vllm.afd.__version__,
                 "upstream_version": vllm.afd.UPSTREAM_VERSION, "role": "ffn"}
+
+    @app.get("/afd/status")
+    def afd_status():
+        """Per-worker FFN loop state and cumulative link statistics
+        (vllm.afd.stats): what benchmarks read before and after a run."""
+        try:
+            return {"workers": engine.status()}
+        except Exception as e:  # a dead worker
+            return JSONResponse(status_code=503, content={"error": str(e)})
 
     @app.get("/metrics")
     def metrics():
