@@ -70,26 +70,43 @@ def assert_same(plain: dict, afd: dict) -> None:
         assert diff <= LOGPROB_TOL, (p["prompt"], diff)
 
 
+def assert_micro_batched(afd: dict, model: Path, num_ubatches: int) -> None:
+    """The run really split its steps: more layer calls than one per layer and
+    step (a test that passed without micro-batching would prove nothing)."""
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    stats = afd["link_stats"]
+    assert stats["steps"] > 0
+    calls_per_step = stats["layer_calls"] / stats["steps"]
+    if num_ubatches == 1:
+        assert calls_per_step == layers, stats
+    else:
+        # Mostly m per layer; one-token steps (the warm-up) are not split.
+        assert calls_per_step > layers * (num_ubatches - 0.5), stats
+
+
 CASES = [
-    # (model, connector, compile)
-    ("tiny-qwen3-moe", "shm", False),
-    ("tiny-qwen3-moe", "tcp", False),
-    ("tiny-qwen3-moe", "loopback", False),
-    ("tiny-qwen3-moe", "shm", True),
-    ("tiny-deepseek-v2", "shm", False),
-    ("tiny-deepseek-v3", "tcp", False),
+    # (model, connector, compile, micro-batches)
+    ("tiny-qwen3-moe", "shm", False, 1),
+    ("tiny-qwen3-moe", "tcp", False, 1),
+    ("tiny-qwen3-moe", "loopback", False, 1),
+    ("tiny-qwen3-moe", "shm", True, 2),
+    ("tiny-deepseek-v2", "shm", False, 1),
+    ("tiny-deepseek-v3", "tcp", False, 1),
 ]
 
 
-@pytest.mark.parametrize("model_name, connector, compile_model", CASES,
-                         ids=[f"{m}-{c}{'-compile' if k else ''}" for m, c, k in CASES])
-def test_afd_matches_plain(models_dir, tmp_path, model_name, connector, compile_model):
+@pytest.mark.parametrize("model_name, connector, compile_model, num_ubatches", CASES,
+                         ids=[f"{m}-{c}{'-compile' if k else ''}{f'-m{u}' if u > 1 else ''}"
+                              for m, c, k, u in CASES])
+def test_afd_matches_plain(models_dir, tmp_path, model_name, connector, compile_model,
+                           num_ubatches):
     model = models_dir / model_name
     # MLA on CPU is not batch-invariant run to run (shared reference §8): for the
     # DeepSeek models compare single-prompt runs, where plain vLLM is stable.
     num_prompts = 1 if "deepseek" in model_name else 10
     plain = plain_result(model, tmp_path, compile_model, num_prompts)
-    afd_config = {"connector": connector, "port": free_port(), "timeout_s": 60}
+    afd_config = {"connector": connector, "port": free_port(), "timeout_s": 60,
+                  "num_ubatches": num_ubatches}
     if connector == "loopback":
         # Both roles in the oracle's process (tools/oracle.py starts the FFN engine).
         afd = run_oracle(model, tmp_path / "afd.json", {**afd_config, "role": "attention"},
@@ -100,3 +117,28 @@ def test_afd_matches_plain(models_dir, tmp_path, model_name, connector, compile_
             afd = run_oracle(model, tmp_path / "afd.json", {**afd_config, "role": "attention"},
                              compile_model=compile_model, num_prompts=num_prompts)
     assert_same(plain, afd)
+    assert_micro_batched(afd, model, num_ubatches if num_prompts > 1 else 1)
+
+
+@pytest.fixture(scope="module")
+def ubatch_ffn(models_dir, tmp_path_factory):
+    """One FFN server (shm, up to 4 micro-batches) for the micro-batch cases: it
+    serves one attention peer after the other."""
+    config = {"connector": "shm", "port": free_port(), "timeout_s": 60, "num_ubatches": 4}
+    log = tmp_path_factory.mktemp("ubatch-ffn") / "ffn.log"
+    with ffn_server(models_dir / "tiny-qwen3-moe", config, log) as ffn:
+        ffn.wait_ready()
+        yield config
+
+
+@pytest.mark.parametrize("num_ubatches", [2, 3, 4])
+def test_micro_batches_match_plain(models_dir, tmp_path, ubatch_ffn, num_ubatches):
+    """m micro-batches ping-ponged through the FFN: the same tokens, and
+    logprobs, as plain vLLM; steps mix prefill and decode, and a request may
+    straddle two micro-batches."""
+    model = models_dir / "tiny-qwen3-moe"
+    plain = plain_result(model, tmp_path)
+    afd = run_oracle(model, tmp_path / "afd.json",
+                     {**ubatch_ffn, "num_ubatches": num_ubatches, "role": "attention"})
+    assert_same(plain, afd)
+    assert_micro_batched(afd, model, num_ubatches)
