@@ -18,13 +18,22 @@ AFD_SOURCES := $(shell git ls-files vllm/afd csrc patches) setup.py pyproject.to
 	tools/vendor.py tools/series.py tools/upstream.py
 WHEEL_STAMP := build/.installed-$(FLAVOR)
 
-.PHONY: demo test dev-test upstream-test env vendor wheel install models check-series docs clean
+.PHONY: demo test bench dev-test upstream-test env vendor wheel install models check-series docs clean
 
 demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
 
 test: $(WHEEL_STAMP) models
 	$(VENV)/bin/pytest -q --durations=25
+
+# AFD (1 attention core : 1 FFN core) against plain vLLM (both cores) on the bench
+# MoE model; ARGS=--quick for a short run. Results in benchmarks/results/.
+# matplotlib is pinned once, in setup.py's `bench` extra.
+BENCH_REQUIREMENTS = $(shell sed -n 's/^BENCH_REQUIREMENTS = \["\(.*\)"\]$$/\1/p' setup.py)
+bench: $(WHEEL_STAMP)
+	$(PY) tools/make_tiny_models.py --out $(MODELS) --models bench-qwen3-moe
+	$(PIP) install -q $(BENCH_REQUIREMENTS)
+	$(PY) benchmarks/afd_vs_colocated.py $(ARGS)
 
 env: $(VENV)/.stamp
 $(VENV)/.stamp: requirements/dev.txt

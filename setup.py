@@ -31,6 +31,9 @@ from vendor import STATE_DIR, vendor  # noqa: E402
 FLAVOR = os.environ.get("VLLM_AFD_FLAVOR", "cpu")
 SKIP_DIRS = {"__pycache__"}
 OUR_EXT_GLOB = "_C*.so"
+# Pins added to upstream's `bench` extra (pip install 'vllm-afd[bench]') for
+# benchmarks/; `make bench` reads this line.
+BENCH_REQUIREMENTS = ["matplotlib==3.10.9"]
 
 
 def base_requirements(pin, flavor: str) -> tuple[list[str], dict[str, list[str]], str]:
@@ -57,6 +60,14 @@ def base_requirements(pin, flavor: str) -> tuple[list[str], dict[str, list[str]]
             raise RuntimeError(f"unsupported requirement marker in base METADATA: {req!r}")
         extras.setdefault(m.group(1), []).append(spec.strip())
     return install, extras, python_requires
+
+
+def with_bench_pins(extras: dict[str, list[str]]) -> dict[str, list[str]]:
+    """extras with BENCH_REQUIREMENTS replacing their packages in the `bench` extra."""
+    name = lambda req: re.split(r"[\s;<>=!~\[(]", req, maxsplit=1)[0].lower()  # noqa: E731
+    pinned = {name(r) for r in BENCH_REQUIREMENTS}
+    kept = [r for r in extras.get("bench", []) if name(r) not in pinned]
+    return {**extras, "bench": kept + BENCH_REQUIREMENTS}
 
 
 def base_entry_points() -> dict[str, list[str]]:
@@ -146,7 +157,7 @@ def main() -> None:
         license="Apache-2.0",
         python_requires=python_requires,
         install_requires=install,
-        extras_require=extras,
+        extras_require=with_bench_pins(extras),
         packages=packages,
         package_data=package_data,
         include_package_data=False,

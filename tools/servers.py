@@ -51,6 +51,10 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def get(self, path: str, timeout: float = 10.0) -> tuple[int, str]:
+        """GET path on this server: (status, body)."""
+        return http_get(self.url + path, timeout)
+
     def start(self) -> Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")

@@ -68,7 +68,18 @@ class AFDConfig:
     """Total number of attention worker ranks feeding the FFN servers."""
 
     num_ffn_ranks: int = 1
-    """Total number of FFN worker ranks."""
+    """Total number of FFN worker ranks. FFN rank f listens on port + f; attention
+    rank a is served by FFN rank a % num_ffn_ranks and, when that rank is part of
+    a tensor/expert-parallel FFN server, by all of that server's ranks."""
+
+    attention_rank: int = 0
+    """This attention server's first rank; its data-parallel ranks take
+    attention_rank, attention_rank + 1, ... (independent attention servers set
+    0, 1, 2, ...)."""
+
+    ffn_rank: int = 0
+    """This FFN server's first rank; its workers (tensor/expert parallel) take
+    ffn_rank, ffn_rank + 1, ... (independent FFN servers set 0, 1, 2, ...)."""
 
     num_ubatches: int = 1
     """Micro-batches per step, pipelined so attention overlaps the FFN round trip
@@ -95,6 +106,12 @@ class AFDConfig:
         for name in ("num_attention_ranks", "num_ffn_ranks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"AFDConfig.{name}: must be >= 1, got {getattr(self, name)}")
+        for name, total in (("attention_rank", "num_attention_ranks"),
+                            ("ffn_rank", "num_ffn_ranks")):
+            if not 0 <= getattr(self, name) < getattr(self, total):
+                raise ValueError(f"AFDConfig.{name}: {getattr(self, name)} is not in 0-"
+                                 f"{getattr(self, total) - 1} ({total} = "
+                                 f"{getattr(self, total)})")
         if not 1 <= self.num_ubatches <= MAX_UBATCHES:
             raise ValueError(f"AFDConfig.num_ubatches: {self.num_ubatches} is not in "
                              f"1-{MAX_UBATCHES}")

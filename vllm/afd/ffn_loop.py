@@ -2,8 +2,13 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """The FFN role's worker loop: receive a step, run each layer's mlp, send back.
 
-Runs in a thread of the worker process that holds the (FFN-only) model. A
-failure is kept and reported through status(); the engine turns it into an
+Runs in a thread of the worker process that holds the (FFN-only) model. With
+one attention peer the loop serves it directly; with several (A > F), one
+thread per peer receives and answers, and a LayerBatcher joins their
+same-layer calls into one mlp call. In a tensor/expert-parallel FFN server
+every worker computes every token; only the group's lead answers.
+
+A failure is kept and reported through status(); the engine turns it into an
 unhealthy /health and a log line naming the peer, layer and error.
 """
 
@@ -11,9 +16,11 @@ import threading
 
 import torch
 
+from vllm.afd.batcher import LayerBatcher
 from vllm.afd.connectors.base import AFDConnector, AFDTimeoutError, create_connector
 from vllm.afd.model_split import ffn_layers
 from vllm.afd.stats import LinkStats, now
+from vllm.afd.topology import ffn_placement
 from vllm.forward_context import create_forward_context, override_forward_context
 from vllm.logger import init_logger
 
@@ -21,9 +28,10 @@ logger = init_logger(__name__)
 
 
 class FFNLoop:
-    def __init__(self, vllm_config, model: torch.nn.Module):
+    def __init__(self, vllm_config, model: torch.nn.Module, worker_rank: int = 0):
         self.vllm_config = vllm_config
         self.afd_config = vllm_config.afd_config
+        self.placement = ffn_placement(vllm_config, worker_rank)
         self.layers = ffn_layers(model)
         if not self.layers:
             raise RuntimeError("AFD FFN role: the model has no mlp layers to serve")
@@ -36,8 +44,10 @@ class FFNLoop:
         self.thread: threading.Thread | None = None
         self.error: str | None = None  # fatal: the loop stopped
         self.last_error: str | None = None  # the last peer's failure
-        self.stats = LinkStats()
+        self.peer_stats: dict[int, LinkStats] = {}
+        self.compute = LinkStats()  # mlp time, shared by all peers' calls
         self.ready = threading.Event()
+        self._ctx = None
 
     # --- lifecycle -------------------------------------------------------
     def start(self) -> None:
@@ -51,10 +61,20 @@ class FFNLoop:
         if self.thread is not None:
             self.thread.join(timeout)
 
+    def stats(self) -> LinkStats:
+        total = LinkStats()
+        for s in list(self.peer_stats.values()):
+            for k, v in s.as_dict().items():
+                setattr(total, k, getattr(total, k) + v)
+        total.compute_s = self.compute.compute_s
+        return total
+
     def status(self) -> dict:
+        stats = self.stats()
         return {"running": self.thread is not None and self.thread.is_alive(),
                 "ready": self.ready.is_set(), "error": self.error,
-                "steps": self.stats.steps, "stats": self.stats.as_dict(),
+                "steps": stats.steps, "stats": stats.as_dict(),
+                "rank": self.placement.rank, "group": self.placement.group,
                 "last_peer_error": self.last_error,
                 "layers": list(self.layers)}
 
@@ -65,13 +85,14 @@ class FFNLoop:
             try:
                 self.connector = create_connector(
                     self.afd_config, hidden_size=self.hidden_size, dtype=self.dtype,
-                    max_tokens=self.max_tokens, rank=0)
+                    max_tokens=self.max_tokens, rank=self.placement.rank,
+                    ffn_group=self.placement.group)
             except Exception as e:  # a configuration error: nothing to retry
                 self.error = f"{type(e).__name__}: {e}"
                 logger.error("AFD FFN loop cannot start: %s", self.error)
                 return
             try:
-                self._serve_peer()
+                self._serve_peers()
             except AFDTimeoutError:
                 continue  # nobody connected within timeout_s: keep waiting
             except Exception as e:
@@ -86,41 +107,77 @@ class FFNLoop:
                     self.connector.close()
                     self.connector = None
 
-    def _serve_peer(self) -> None:
+    def _serve_peers(self) -> None:
         self.connector.accept()
-        logger.info("AFD FFN loop serving layers %s", list(self.layers))
-        while not self.stop_event.is_set():
-            header = self.connector.recv_step(0)
-            if header.is_goodbye or header.is_shutdown:
-                logger.info("AFD FFN: attention peer said goodbye")
-                return
-            self._serve_step(header)
+        peers = self.connector.connected_peers
+        logger.info("AFD FFN rank %d (group %s) serving layers %s for attention rank(s) %s",
+                    self.placement.rank, self.placement.group, list(self.layers), peers)
+        self._ctx = create_forward_context(None, self.vllm_config)
+        if len(peers) == 1:
+            self._serve_peer(peers[0], self._run_mlp)
+            return
+        batcher = LayerBatcher(self._run_mlp)
+        errors: list[BaseException] = []
+
+        def serve(peer: int) -> None:
+            try:
+                self._serve_peer(peer, batcher.compute, batcher)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+                batcher.abort(e)
+                self.connector.close()  # the others' receives end too
+
+        threads = [threading.Thread(target=serve, args=(p,), name=f"afd-ffn-peer-{p}",
+                                    daemon=True) for p in peers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def _run_mlp(self, layer_idx: int, h: torch.Tensor) -> torch.Tensor:
+        t0 = now()
+        with override_forward_context(self._ctx):
+            out = self.layers[layer_idx](h)
+        self.compute.compute_s += now() - t0
+        return out
 
     @torch.inference_mode()
-    def _serve_step(self, header) -> None:
-        # Micro-batches come layer by layer: (layer 0, ubatch 0), (layer 0,
-        # ubatch 1), ..., (layer 1, ubatch 0), ... While this side computes one,
-        # the attention side computes attention for the next (ping-pong).
-        # The forward context is entered per layer, only while the mlp runs: the
-        # attention side is blocked waiting for this layer then, so even an
-        # attention engine in this very process (loopback, m = 1) never sees it.
-        ctx = create_forward_context(None, self.vllm_config)
-        stats, conn = self.stats, self.connector
-        num_ubatches = len(header.num_tokens)
-        t_step = now()
-        for layer_idx, mlp in self.layers.items():
-            for u in range(num_ubatches):
-                t0 = now()
-                h = conn.recv_hidden(0, layer_idx, u)
-                t1 = now()
-                with override_forward_context(ctx):
-                    out = mlp(h)
-                t2 = now()
-                conn.send_output(0, layer_idx, u, out)
-                stats.wait_s += t1 - t0
-                stats.compute_s += t2 - t1
-                stats.send_s += now() - t2
-        stats.step_wall_s += now() - t_step
-        stats.steps += 1
-        stats.layer_calls += len(self.layers) * num_ubatches
-        stats.tokens += len(self.layers) * sum(header.num_tokens)
+    def _serve_peer(self, peer: int, compute, batcher: LayerBatcher | None = None) -> None:
+        """Serve one attention peer's steps until it says goodbye.
+
+        Micro-batches come layer by layer: (layer 0, ubatch 0), (layer 0, ubatch
+        1), ..., (layer 1, ubatch 0), ... While this side computes one, the
+        attention side computes attention for the next (ping-pong)."""
+        conn, answer = self.connector, self.placement.is_lead
+        stats = self.peer_stats.setdefault(peer, LinkStats())
+        while not self.stop_event.is_set():
+            header = conn.recv_step(peer)
+            if header.is_goodbye or header.is_shutdown:
+                logger.info("AFD FFN: attention rank %d said goodbye", peer)
+                return
+            num_ubatches = len(header.num_tokens)
+            if batcher is not None:
+                batcher.begin(peer)
+            t_step = now()
+            try:
+                for layer_idx in self.layers:
+                    for u in range(num_ubatches):
+                        t0 = now()
+                        h = conn.recv_hidden(peer, layer_idx, u)
+                        t1 = now()
+                        out = compute(layer_idx, h) if batcher is None else compute(
+                            layer_idx, h, peer)
+                        t2 = now()
+                        if answer:
+                            conn.send_output(peer, layer_idx, u, out)
+                        stats.wait_s += t1 - t0
+                        stats.send_s += now() - t2
+            finally:
+                if batcher is not None:
+                    batcher.end(peer)
+            stats.step_wall_s += now() - t_step
+            stats.steps += 1
+            stats.layer_calls += len(self.layers) * num_ubatches
+            stats.tokens += len(self.layers) * sum(header.num_tokens)

@@ -15,6 +15,7 @@ import torch
 
 from vllm.afd.config import AFDConfig
 from vllm.afd.stats import LinkStats, now
+from vllm.afd.topology import attention_rank
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -33,7 +34,8 @@ class AttentionLink:
         self.rank = rank
         self.layers: list[int] = []
         self.step_id = 0
-        self.connector = None
+        self.connector = None  # the FFN rank that answers (its group's lead)
+        self.followers: list = []  # the other ranks of its group: they only listen
         self.stats = LinkStats()
         self._step_start = 0.0
         self._step_calls_left = 0
@@ -47,11 +49,26 @@ class AttentionLink:
         from vllm.afd.connectors.base import create_connector
 
         if self.connector is None:
-            connector = create_connector(self.afd_config, hidden_size=self.hidden_size,
-                                         dtype=self.dtype, max_tokens=self.max_tokens,
-                                         rank=self.rank)
-            connector.connect()
-            self.connector = connector
+            kwargs = dict(hidden_size=self.hidden_size, dtype=self.dtype,
+                          max_tokens=self.max_tokens, rank=self.rank)
+            first = create_connector(self.afd_config, **kwargs)
+            connectors = {first.ffn_rank: first}
+            try:
+                first.connect()
+                # A tensor/expert-parallel FFN server: every rank of its group
+                # gets every token; the lead answers (vllm.afd.topology).
+                for rank in first.ffn_group:
+                    if rank not in connectors:
+                        connectors[rank] = create_connector(self.afd_config, ffn_rank=rank,
+                                                            **kwargs)
+                        connectors[rank].connect()
+            except BaseException:
+                for c in connectors.values():
+                    c.close()
+                raise
+            lead = first.ffn_group[0]
+            self.connector = connectors.pop(lead)
+            self.followers = list(connectors.values())
         return self.connector
 
     def exchange(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -69,11 +86,17 @@ class AttentionLink:
             if layer_idx == self.layers[0] and ubatch == 0:
                 num_tokens = pp.num_tokens if pp is not None else [hidden_states.shape[0]]
                 self.step_id += 1
-                connector.send_step(StepHeader(step_id=self.step_id, num_tokens=num_tokens))
+                header = StepHeader(step_id=self.step_id, num_tokens=num_tokens)
+                for follower in self.followers:
+                    follower.send_step(header)
+                connector.send_step(header)
                 self._step_start = t0
                 self._step_calls_left = len(self.layers) * len(num_tokens)
                 self.stats.tokens += sum(num_tokens) * len(self.layers)
-            connector.send_hidden(layer_idx, ubatch, hidden_states.contiguous())
+            hidden_states = hidden_states.contiguous()
+            for follower in self.followers:
+                follower.send_hidden(layer_idx, ubatch, hidden_states, expect_output=False)
+            connector.send_hidden(layer_idx, ubatch, hidden_states)
             t1 = now()
             if pp is not None:
                 pp.yield_turn(ubatch)
@@ -98,11 +121,10 @@ class AttentionLink:
 
     def reset(self) -> None:
         """Drop the connection; the next step reconnects."""
-        if self.connector is not None:
-            try:
-                self.connector.close()
-            finally:
-                self.connector = None
+        connectors = ([self.connector] if self.connector is not None else []) + self.followers
+        self.connector, self.followers = None, []
+        for c in connectors:
+            c.close()
 
     def close(self) -> None:
         self.reset()
@@ -116,7 +138,7 @@ def get_or_create_link(vllm_config) -> AttentionLink:
             _link = AttentionLink(
                 vllm_config.afd_config, hidden_size=mc.get_hidden_size(), dtype=mc.dtype,
                 max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-                rank=vllm_config.parallel_config.data_parallel_rank)
+                rank=attention_rank(vllm_config))
             # Say goodbye at exit, so the FFN server knows the peer left on purpose.
             atexit.register(_link.close)
         return _link

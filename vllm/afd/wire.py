@@ -101,6 +101,9 @@ class HelloAck(Message, tag="hello_ack"):
     reason: Text = ""
     protocol_version: NonNegInt = PROTOCOL_VERSION
     rank: NonNegInt = 0  # the FFN rank answering
+    # The FFN ranks that compute together with it (tensor/expert parallel),
+    # lead first; the attention side sends to all of them, hears from the lead.
+    group: Annotated[list[NonNegInt], msgspec.Meta(max_length=1024)] = []
     # shm: segment names (attention->FFN region, FFN->attention region) and the
     # bytes of one micro-batch slot in each.
     shm_segments: Annotated[list[Name], msgspec.Meta(max_length=8)] = []

@@ -12,7 +12,8 @@ class AFDWorkerMixin:
         from vllm.afd.ffn_loop import FFNLoop
 
         if self._afd_ffn_loop is None:
-            self._afd_ffn_loop = FFNLoop(self.vllm_config, self.model_runner.get_model())
+            self._afd_ffn_loop = FFNLoop(self.vllm_config, self.model_runner.get_model(),
+                                         worker_rank=self.rank)
             self._afd_ffn_loop.start()
 
     def afd_ffn_loop_status(self) -> dict:

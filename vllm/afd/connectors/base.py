@@ -32,9 +32,11 @@ Contract shared by every transport (the checks live here, once):
   * After any error the connector is unusable (the stream may be out of
     sync); the peer is told with an ErrorFrame when possible so it fails
     fast too. close() is idempotent and releases everything.
-  * Not thread-safe: one thread drives a connector. The exception is close(),
-    which another thread may call to interrupt a blocked connect or receive;
-    the blocked call then raises AFDConnectionError ("... was closed ...").
+  * One thread drives a connector, except on the FFN side after connect():
+    one thread per peer may then call recv_step / recv_hidden / send_output
+    for its own peer (per-peer state is keyed by peer). close() may come from
+    any thread to interrupt a blocked connect or receive; the blocked call then
+    raises AFDConnectionError ("... was closed ...").
 """
 
 import importlib
@@ -98,7 +100,8 @@ class AFDConnector(ABC):
 
     def __init__(self, afd_config: AFDConfig, *, hidden_size: int, dtype: torch.dtype,
                  max_tokens: int, rank: int = 0,
-                 fingerprint: dict[str, str] | None = None) -> None:
+                 fingerprint: dict[str, str] | None = None, ffn_rank: int | None = None,
+                 ffn_group: list[int] | None = None) -> None:
         if hidden_size < 1 or max_tokens < 1:
             raise ValueError(f"AFD connector: hidden_size ({hidden_size}) and max_tokens "
                              f"({max_tokens}) must be >= 1")
@@ -118,9 +121,20 @@ class AFDConnector(ABC):
         self.timeout_s = afd_config.timeout_s
         self.num_ubatches = afd_config.num_ubatches
         self.fingerprint = dict(fingerprint or {})
-        # Attention rank a talks to FFN rank a % num_ffn_ranks, which listens on
-        # port + its rank (M:N placeholder; 1:1 uses `port` itself).
-        self.ffn_rank = rank % afd_config.num_ffn_ranks if self.is_attention else rank
+        # FFN rank f listens on port + f. Attention rank a talks to FFN rank
+        # a % num_ffn_ranks and, when that rank is one of a tensor/expert
+        # parallel group (HelloAck.group), to every member of the group
+        # (ffn_rank names the member; vllm.afd.topology has the rules).
+        if self.is_attention:
+            self.ffn_rank = rank % afd_config.num_ffn_ranks if ffn_rank is None else ffn_rank
+        else:
+            self.ffn_rank = rank
+        if not 0 <= self.ffn_rank < afd_config.num_ffn_ranks:
+            raise ValueError(f"AFD connector: FFN rank {self.ffn_rank} is not in 0-"
+                             f"{afd_config.num_ffn_ranks - 1}")
+        # FFN side: the ranks of this rank's group, lead first ([rank]: no group).
+        # Attention side: filled from the FFN's HelloAck.
+        self.ffn_group = list(ffn_group) if ffn_group else [self.ffn_rank]
         self.bytes_sent = 0
         self.bytes_received = 0
         self.me = f"AFD {self.role} rank {rank}"
@@ -135,7 +149,7 @@ class AFDConnector(ABC):
         # FFN side, per peer: the current step and hidden states awaiting output.
         self._peer_steps: dict[int, StepHeader] = {}
         self._awaiting: dict[tuple[int, int], tuple[int, list[int]]] = {}
-        self._announced = 0  # payload length announced with the last message
+        self._announced: dict[int, int] = {}  # peer -> payload length of its last message
         self._views: dict[Any, tuple] = {}  # see _typed_view
 
     # ----------------------------------------------------------------- identity
@@ -154,7 +168,8 @@ class AFDConnector(ABC):
     def expected_peers(self) -> list[int]:
         """Attention ranks served by this FFN rank (the FFN's `peer` values)."""
         cfg = self.afd_config
-        return [a for a in range(cfg.num_attention_ranks) if a % cfg.num_ffn_ranks == self.rank]
+        return [a for a in range(cfg.num_attention_ranks)
+                if a % cfg.num_ffn_ranks in self.ffn_group]
 
     @property
     def connected_peers(self) -> list[int]:
@@ -229,8 +244,11 @@ class AFDConnector(ABC):
         if not (header.is_shutdown or header.is_goodbye):
             self._step = header
 
-    def send_hidden(self, layer_id: int, ubatch_id: int, h: torch.Tensor) -> None:
-        """Send micro-batch ubatch_id's hidden states for layer_id to the FFN."""
+    def send_hidden(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
+                    expect_output: bool = True) -> None:
+        """Send micro-batch ubatch_id's hidden states for layer_id to the FFN.
+        expect_output=False: a member of an FFN group that computes but does
+        not answer (its group's lead does)."""
         self._require("attention")
         step = self._current_step(ubatch_id)
         if any(u == ubatch_id for _, u, _ in self._in_flight):
@@ -243,7 +261,8 @@ class AFDConnector(ABC):
                                  ubatch_id=ubatch_id)
         self._send_message(0, frame, h, what=What(
             "layer {} ubatch {} hidden states of step {}", layer_id, ubatch_id, step.step_id))
-        self._in_flight.append((layer_id, ubatch_id, shape))
+        if expect_output:
+            self._in_flight.append((layer_id, ubatch_id, shape))
 
     def recv_output(self, layer_id: int, ubatch_id: int) -> torch.Tensor:
         """Wait (up to timeout_s) for the FFN's output of (layer, ubatch). The
@@ -410,6 +429,10 @@ class AFDConnector(ABC):
         if ack.protocol_version != wire.PROTOCOL_VERSION:
             raise ProtocolError(f"HelloAck.protocol_version: expected "
                                 f"{wire.PROTOCOL_VERSION}, received {ack.protocol_version}")
+        if ack.rank != self.ffn_rank or (ack.group and self.ffn_rank not in ack.group):
+            raise ProtocolError(f"HelloAck from {self.address}: expected FFN rank "
+                                f"{self.ffn_rank}, received rank {ack.rank} (group {ack.group})")
+        self.ffn_group = list(ack.group) or [self.ffn_rank]
         self._on_ack(ack)
 
     def _handshake_as_ffn(self, link: Any, source: str, deadline: float) -> int | None:
@@ -438,7 +461,8 @@ class AFDConnector(ABC):
                                 f"({source}): {reason}")
         peer = hello.rank
         self._links[peer] = self._links.pop(key)
-        ack = HelloAck(accepted=True, rank=self.rank, **self._ack_fields(peer))
+        ack = HelloAck(accepted=True, rank=self.rank, group=self.ffn_group,
+                       **self._ack_fields(peer))
         self._send_message(peer, ack, what="the handshake reply", deadline=deadline)
         self._after_ack(peer)
         return peer
@@ -522,7 +546,7 @@ class AFDConnector(ABC):
                       on_wait: WaitCallback | None = None, peer_label: str | None = None):
         """The next message from peer, which must be of kind (not a payload frame
         unless kind is LayerFrame); its announced payload length is kept in
-        self._announced for _recv_tensor."""
+        self._announced[peer] for _recv_tensor."""
         label = peer_label or self.peer_name(peer)
         on_wait = on_wait or self._waiter(What("{} from {}", what, label), deadline)
         try:
@@ -545,7 +569,7 @@ class AFDConnector(ABC):
             raise self._link_error(e, label, what, "receive") from None
         except ProtocolError as e:
             raise self._fail(e) from None
-        self._announced = announced
+        self._announced[peer] = announced
         return message
 
     def _recv_tensor(self, peer: int, what: What, *, step_id: int, layer_id: int,
@@ -557,7 +581,8 @@ class AFDConnector(ABC):
                                      ubatch_id=ubatch_id, max_bytes=self.max_bytes,
                                      expected_shape=shape, dtype=self.dtype,
                                      context=What("from {}, {}", self.peer_name(peer), what))
-            tensor = self._receive_payload(peer, frame, dtype, self._announced, deadline)
+            tensor = self._receive_payload(peer, frame, dtype, self._announced.get(peer, 0),
+                                           deadline)
         except ProtocolError as e:
             raise self._fail(e) from None
         except (LinkTimeout, LinkClosed) as e:

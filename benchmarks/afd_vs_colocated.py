@@ -1,0 +1,618 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""AFD (1 attention : 1 FFN) against plain vLLM on the same cores: decode speed.
+
+    python benchmarks/afd_vs_colocated.py [--quick] [--batch-sizes 1,8,32,64]
+        [--ubatches 1,2,3] [--max-tokens 32] [--repeats 3] [--out-dir DIR] [--model DIR]
+
+Model: build/models/bench-qwen3-moe (tools/make_tiny_models.py). Every engine
+runs in its own subprocess, in eager mode:
+
+  plain vLLM   one in-process LLM on cores 0-1 (VLLM_CPU_OMP_THREADS_BIND=0-1)
+  AFD, m       `vllm serve --afd-role ffn` on core 1 (one server, num_ubatches=3,
+               serves every m <= 3) and an attention-role LLM on core 0 with
+               num_ubatches=m, linked by the shm connector
+
+For each batch size B: B distinct 16-token prompts, greedy, ignore_eos. t(N) is
+the time of a generate() with max_tokens=N, t(1) of one with max_tokens=1 (the
+prefill alone); decode = t(N) - t(1), TPOT = decode / (N - 1), decode
+throughput = B (N - 1) / decode, all of the repeat with the median decode time.
+The headline is the throughput ratio AFD / plain per B and m.
+
+Per decode step the link statistics of both roles (vllm.afd.stats, read before
+and after each run; decode = N run minus 1 run) split the step: attention
+compute inside the link window, attention work outside it (scheduling,
+embedding, sampling), attention blocked on the link, FFN compute, FFN idle;
+plus the transfer floor, an echo round trip of the same tensors through the shm
+connector measured here, and what is left: idle and overhead.
+
+Writes OUT_DIR/afd_vs_colocated.json and, with matplotlib, .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+from servers import Server, free_port  # noqa: E402
+
+NAME = "afd_vs_colocated"
+PLAIN_CORES, ATTENTION_CORES, FFN_CORES = "0-1", "0", "1"
+FFN_UBATCHES = 3  # the FFN server accepts attention peers with any m <= this
+PROMPT_TOKENS = 16
+ENGINE_ARGS = dict(max_model_len=512, max_num_batched_tokens=2048, max_num_seqs=64,
+                   enforce_eager=True)
+FULL = dict(batch_sizes=[1, 8, 32, 64], ubatches=[1, 2, 3], max_tokens=32, repeats=3)
+QUICK = dict(batch_sizes=[1, 8], ubatches=[1, 2], max_tokens=8, repeats=2)
+WORKER_TIMEOUT_S = 3600
+
+
+# ============================================================ the orchestrator
+def parse_args(argv=None) -> argparse.Namespace:
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="batch sizes 1,8; N=8; m in 1,2; 2 repeats (for development)")
+    ap.add_argument("--batch-sizes", type=ints, help="comma-separated (default 1,8,32,64)")
+    ap.add_argument("--ubatches", type=ints,
+                    help=f"AFD micro-batch counts m, 1-{FFN_UBATCHES} (default 1,2,3)")
+    ap.add_argument("--max-tokens", type=int,
+                    help="N, tokens generated per request (default 32)")
+    ap.add_argument("--repeats", type=int, help="timed runs per batch size (default 3)")
+    ap.add_argument("--model", type=Path, default=REPO / "build/models/bench-qwen3-moe",
+                    help="default: %(default)s")
+    ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks/results",
+                    help="JSON, PNG and logs/ (default: %(default)s)")
+    ap.add_argument("--worker", choices=["llm", "floor"], help=argparse.SUPPRESS)
+    ap.add_argument("--afd-config", help=argparse.SUPPRESS)
+    ap.add_argument("--ffn-url", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", help=argparse.SUPPRESS)
+    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--cores", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if not args.worker:
+        check_args(ap, args)
+    return args
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not (args.model / "config.json").is_file():
+        ap.error(f"no model at {args.model}; generate it with: python tools/make_tiny_models.py"
+                 f" --out build/models --models bench-qwen3-moe")
+    if any(not 1 <= m <= FFN_UBATCHES for m in args.ubatches):
+        ap.error(f"--ubatches: each m must be in 1-{FFN_UBATCHES}")
+    if any(not 1 <= b <= ENGINE_ARGS["max_num_seqs"] for b in args.batch_sizes):
+        ap.error(f"--batch-sizes: each must be in 1-{ENGINE_ARGS['max_num_seqs']}")
+    if args.max_tokens < 2 or args.repeats < 1:
+        ap.error("--max-tokens must be >= 2 and --repeats >= 1")
+
+
+def core_set(cores: str) -> set[int]:
+    lo, _, hi = cores.partition("-")
+    return set(range(int(lo), int(hi or lo) + 1))
+
+
+def engine_env(cores: str) -> dict[str, str]:
+    """The in-process LLM (uniprocessor executor) does no OpenMP binding of its
+    own, VLLM_CPU_OMP_THREADS_BIND notwithstanding: OMP_NUM_THREADS and the
+    worker's own sched_setaffinity (--cores) hold it to its cores."""
+    return {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
+            "VLLM_CACHE_ROOT": str(REPO / "build" / "vllm-cache"),
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": cores,
+            "OMP_NUM_THREADS": str(len(core_set(cores)))}
+
+
+def run_worker(args: argparse.Namespace, kind: str, name: str, cores: str,
+               extra: list[str] | None = None) -> dict:
+    """Run this file in --worker mode in a fresh process (own session, killed
+    with its group on any exit); return the JSON it writes."""
+    logs = args.out_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    result, log_path = logs / f"{name}.json", logs / f"{name}.log"
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind,
+           "--model", str(args.model), "--result", str(result),
+           "--batch-sizes", ",".join(map(str, args.batch_sizes)),
+           "--ubatches", ",".join(map(str, args.ubatches)),
+           "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
+           "--cores", cores, *(extra or [])]
+    print(f"[bench] {name}: cores {cores}, log {log_path}", flush=True)
+    t0 = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                env=dict(os.environ, **engine_env(cores)))
+    try:
+        rc = proc.wait(WORKER_TIMEOUT_S)
+    finally:
+        kill_group(proc)
+    if rc != 0 or not result.is_file():
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"{name} failed (exit {rc}); log tail:\n{tail}")
+    print(f"[bench] {name}: done in {time.monotonic() - t0:.0f}s", flush=True)
+    return json.loads(result.read_text())
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def ffn_server(args: argparse.Namespace, afd_port: int) -> Server:
+    afd = {"connector": "shm", "port": afd_port, "num_ubatches": FFN_UBATCHES,
+           "timeout_s": 120}
+    cli = ["--max-model-len", "512", "--max-num-batched-tokens", "2048",
+           "--max-num-seqs", "64", "--enforce-eager",
+           "--afd-role", "ffn", "--afd-config", json.dumps(afd)]
+    env = engine_env(FFN_CORES)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    server = Server(str(args.model), cli, log_path=args.out_dir / "logs" / "ffn-server.log",
+                    env=env, name="FFN server")
+    if shutil.which("taskset"):  # the API process too, not only the bound worker
+        server.cmd = ["taskset", "-c", FFN_CORES, *server.cmd]
+    return server
+
+
+def allowed_cpus(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    return "?"
+
+
+def run_afd(args: argparse.Namespace) -> dict[int, dict]:
+    """One FFN server; one attention-role run per m against it."""
+    afd_port = free_port()
+    server = ffn_server(args, afd_port)
+    print(f"[bench] FFN server: cores {FFN_CORES}, log {server.log_path}", flush=True)
+    runs = {}
+    try:
+        server.start()
+        print(f"[bench] FFN server ready in {server.wait_ready(600):.0f}s "
+              f"(cpus {allowed_cpus(server.proc.pid)})", flush=True)
+        for m in args.ubatches:
+            afd = {"connector": "shm", "port": afd_port, "num_ubatches": m, "timeout_s": 120}
+            runs[m] = run_worker(args, "llm", f"afd-m{m}", ATTENTION_CORES,
+                                 ["--afd-config", json.dumps(afd), "--ffn-url", server.url])
+    finally:
+        server.stop()
+    return runs
+
+
+def machine_info() -> dict:
+    model = "unknown"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    return {"cpu_model": model, "cpu_count": os.cpu_count(),
+            "python": sys.version.split()[0], "load_average_1m": os.getloadavg()[0]}
+
+
+def main_bench(args: argparse.Namespace) -> int:
+    # SIGTERM/SIGHUP unwind like Ctrl-C, so the finally clauses stop the FFN
+    # server and the workers (each runs in its own session).
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _: sys.exit(128 + signum))
+    args.out_dir = args.out_dir.resolve()
+    args.model = args.model.resolve()
+    t0, load = time.monotonic(), os.getloadavg()[0]
+    if load > 0.5:
+        print(f"[bench] note: load average {load:.1f} before the start: other processes use "
+              f"these cores, so the numbers will be noisy", flush=True)
+    plain = run_worker(args, "llm", "plain", PLAIN_CORES)
+    floor = run_worker(args, "floor", "transfer-floor", ATTENTION_CORES,
+                       ["--dtype", plain["engine"]["dtype"]])
+    afd = run_afd(args)
+    results = summarize(args, plain, afd, floor)
+    results["bench_wall_s"] = round(time.monotonic() - t0, 1)
+    results["machine"]["load_average_1m_at_start"] = load
+    out = args.out_dir / f"{NAME}.json"
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print_tables(results)
+    print(f"\n[bench] wrote {out}")
+    plot(results, args.out_dir / f"{NAME}.png")
+    return 0
+
+
+# ================================================================== results
+def summarize(args: argparse.Namespace, plain: dict, afd: dict[int, dict], floor: dict) -> dict:
+    n = args.max_tokens
+    plain_by_b = {b: decode_summary(runs, int(b), n) for b, runs in plain["batches"].items()}
+    configs = {}
+    for m, run in afd.items():
+        per_b = {}
+        for b, runs in run["batches"].items():
+            s = decode_summary(runs, int(b), n)
+            s["ratio_vs_plain"] = s["tokens_per_s"] / plain_by_b[b]["tokens_per_s"]
+            s["split_ms"] = step_split(runs, n, floor[str(m)][b])
+            per_b[b] = s
+        configs[f"afd_m{m}"] = {"num_ubatches": m, "engine": run["engine"], "batches": per_b}
+    return {
+        "benchmark": NAME, "machine": machine_info(),
+        "cores": {"plain": PLAIN_CORES, "afd_attention": ATTENTION_CORES,
+                  "afd_ffn": FFN_CORES, "text": core_text()},
+        "model": {"path": str(args.model), **model_facts(args.model)},
+        "settings": {"max_tokens_N": n, "prompt_tokens": PROMPT_TOKENS,
+                     "repeats": args.repeats, "batch_sizes": args.batch_sizes,
+                     "ubatches": args.ubatches, "connector": "shm",
+                     "ffn_server_num_ubatches": FFN_UBATCHES, **ENGINE_ARGS},
+        "plain": {"engine": plain["engine"], "batches": plain_by_b},
+        "afd": configs, "transfer_floor": floor,
+    }
+
+
+def core_text() -> str:
+    return (f"plain vLLM: cores {PLAIN_CORES} (VLLM_CPU_OMP_THREADS_BIND={PLAIN_CORES}); "
+            f"AFD: attention on core {ATTENTION_CORES}, FFN server on core {FFN_CORES} "
+            f"(same total cores)")
+
+
+def model_facts(model: Path) -> dict:
+    cfg = json.loads((model / "config.json").read_text())
+    keys = ["architectures", "hidden_size", "num_hidden_layers", "num_experts",
+            "num_experts_per_tok", "moe_intermediate_size", "dtype"]
+    return {k: cfg.get(k) for k in keys}
+
+
+def lower_median(runs: list[dict], key) -> dict:
+    return sorted(runs, key=key)[(len(runs) - 1) // 2]
+
+
+def decode_runs(runs: list[dict]) -> list[dict]:
+    """Each N-token run minus the prefill: the median 1-token run (time and
+    statistics), so one disturbed prefill run spoils no decode figure."""
+    ref = lower_median(runs, lambda r: r["t_1"])
+    return [{"decode_s": r["t_n"] - ref["t_1"],
+             "attention": delta(r["attention_n"], ref["attention_1"]),
+             "ffn": delta(r["ffn_n"], ref["ffn_1"])} for r in runs]
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The decode run with the (lower) median time: its TPOT is the headline
+    and its statistics give the split, so the two agree."""
+    return lower_median(decode_runs(runs), lambda r: r["decode_s"])
+
+
+def decode_summary(runs: list[dict], b: int, n: int) -> dict:
+    d = median_run(runs)["decode_s"]
+    return {"tokens_per_s": b * (n - 1) / d, "tpot_ms": d / (n - 1) * 1e3,
+            "decode_s": [r["decode_s"] for r in decode_runs(runs)],
+            "t_1_s": [r["t_1"] for r in runs], "t_n_s": [r["t_n"] for r in runs],
+            "runs": runs}
+
+
+def step_split(runs: list[dict], n: int, floor: dict) -> dict:
+    """Milliseconds per decode step of the median run, from the link statistics."""
+    run = median_run(runs)
+    ms = lambda s: s / (n - 1) * 1e3  # noqa: E731
+    a, f = run["attention"], run["ffn"]
+    step = ms(run["decode_s"])
+    split = {
+        "step": step,
+        "attention_compute": ms(a["step_wall_s"] - a["wait_s"] - a["send_s"]),
+        "attention_outside_link": step - ms(a["step_wall_s"]),
+        "attention_blocked_on_link": ms(a["wait_s"] + a["send_s"]),
+        "ffn_compute": ms(f["compute_s"]),
+        "ffn_idle": ms(f["wait_s"]),
+        "ffn_send": ms(f["send_s"]),
+        "transfer_floor": floor["floor_ms"],
+    }
+    parts = ("attention_compute", "attention_outside_link", "ffn_compute", "transfer_floor")
+    split["idle_overhead"] = step - sum(split[p] for p in parts)
+    # Both 1 when the statistics cover exactly the decode steps.
+    split["link_steps_per_step"] = a["steps"] / (n - 1)
+    split["ffn_steps_per_step"] = f["steps"] / (n - 1)
+    return split
+
+
+def print_tables(res: dict) -> None:
+    ms = [c["num_ubatches"] for c in res["afd"].values()]
+    s = res["settings"]
+    print(f"\nAFD 1:1 vs plain vLLM, {Path(res['model']['path']).name}, "
+          f"N={s['max_tokens_N']}, {s['repeats']} repeats, {res['machine']['cpu_model']}")
+    print(f"cores: {res['cores']['text']}")
+    print("decode throughput ratio AFD / plain (plain in tokens/s):\n")
+    print(f"{'B':>4} {'plain tok/s':>12} {'plain TPOT':>11}"
+          + "".join(f" {f'AFD m={m}':>9}" for m in ms))
+    for b, p in res["plain"]["batches"].items():
+        cells = "".join(f" {res['afd'][f'afd_m{m}']['batches'][b]['ratio_vs_plain']:>8.2f}x"
+                        for m in ms)
+        print(f"{b:>4} {p['tokens_per_s']:>12.1f} {p['tpot_ms']:>9.1f}ms{cells}")
+    if any(int(b) < m for b in res["plain"]["batches"] for m in ms):
+        print("(a step of B tokens has min(m, B) micro-batches: where B < m, m is that number)")
+    print_split(res)
+
+
+SPLIT_COLUMNS = [("step", "step"), ("attention_compute", "attn"),
+                 ("attention_outside_link", "attn-out"),
+                 ("attention_blocked_on_link", "blocked"), ("ffn_compute", "ffn"),
+                 ("ffn_idle", "ffn-idle"), ("transfer_floor", "floor"),
+                 ("idle_overhead", "overhead")]
+
+
+def print_split(res: dict) -> None:
+    print("\nper decode step, ms (attn = attention compute in the link window, attn-out = "
+          "attention work outside it,\nblocked = attention waiting on the link, ffn-idle = "
+          "FFN waiting for hidden states, floor = echo\nround trips, overhead = step - attn "
+          "- attn-out - ffn - floor; negative: overlap):\n")
+    print(f"{'m':>2} {'B':>4}" + "".join(f" {label:>9}" for _, label in SPLIT_COLUMNS))
+    for cfg in res["afd"].values():
+        for b, r in cfg["batches"].items():
+            sp = r["split_ms"]
+            print(f"{cfg['num_ubatches']:>2} {b:>4}"
+                  + "".join(f" {sp[key]:>9.2f}" for key, _ in SPLIT_COLUMNS))
+
+
+# ===================================================================== plot
+def plot(res: dict, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("[bench] note: matplotlib is not installed, so no plot; the JSON has all the "
+              "numbers (`make bench` installs it: the pin of setup.py's bench extra)")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    plot_ratios(left, res)
+    plot_split(right, res)
+    fig.suptitle(f"AFD 1 attention : 1 FFN vs plain vLLM ({res['cores']['text']})",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"[bench] wrote {path}")
+
+
+def plot_ratios(ax, res: dict) -> None:
+    for cfg in res["afd"].values():
+        bs = sorted(cfg["batches"], key=int)
+        ax.plot([int(b) for b in bs], [cfg["batches"][b]["ratio_vs_plain"] for b in bs],
+                marker="o", label=f"AFD m={cfg['num_ubatches']}")
+    ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label="plain vLLM")
+    ax.set_xscale("log", base=2)
+    sizes = res["settings"]["batch_sizes"]
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("decode throughput, AFD / plain")
+    ax.set_title(f"decode throughput ratio (N={res['settings']['max_tokens_N']})")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+
+
+SPLIT_PARTS = [("attention_compute", "attention compute"),
+               ("attention_outside_link", "attention outside link"),
+               ("ffn_compute", "FFN compute"), ("transfer_floor", "transfer floor"),
+               ("idle_overhead", "idle / overhead")]
+
+
+def plot_split(ax, res: dict) -> None:
+    b = split_batch(res)
+    labels, steps = ["plain"], [res["plain"]["batches"][b]["tpot_ms"]]
+    ax.bar(0, steps[0], color="lightgray")
+    for i, cfg in enumerate(res["afd"].values(), start=1):
+        sp = cfg["batches"][b]["split_ms"]
+        bottom = 0.0
+        for j, (key, label) in enumerate(SPLIT_PARTS):
+            value = max(sp[key], 0.0)
+            ax.bar(i, value, bottom=bottom, color=f"C{j}", label=label if i == 1 else None)
+            bottom += value
+        labels.append(f"AFD m={cfg['num_ubatches']}")
+        steps.append(sp["step"])
+    ax.scatter(range(len(steps)), steps, marker="_", s=900, color="black", zorder=3,
+               label="measured step (TPOT)")
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylim(0, 1.45 * max(ax.get_ylim()[1], max(steps)))
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(f"where a decode step goes, B={b} (bars above the mark: overlap)")
+    ax.legend(fontsize=8, ncol=2, loc="upper left")
+
+
+def split_batch(res: dict) -> str:
+    bs = list(res["plain"]["batches"])
+    for b in ("64", "32"):
+        if b in bs:
+            return b
+    return max(bs, key=int)
+
+
+# ================================================================== workers
+def prompts(b: int) -> list[dict]:
+    """b distinct prompts of PROMPT_TOKENS token ids (no special tokens)."""
+    return [{"prompt_token_ids": [16 + (i * 7 + r * 37 + i * r) % 1000
+                                  for i in range(PROMPT_TOKENS)]} for r in range(b)]
+
+
+def ffn_stats(url: str | None) -> dict:
+    if url is None:
+        return {}
+    with urllib.request.urlopen(url + "/afd/status", timeout=10) as r:
+        return json.loads(r.read())["workers"][0]["stats"]
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def timed_generate(llm, params, b: int, link, ffn_url) -> tuple[float, dict, dict]:
+    link0, ffn0 = link(), ffn_stats(ffn_url)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts(b), params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    got = {len(o.outputs[0].token_ids) for o in outs}
+    if got != {params.max_tokens}:
+        raise RuntimeError(f"expected {params.max_tokens} tokens per request, got {got}")
+    return elapsed, delta(link(), link0), delta(ffn_stats(ffn_url), ffn0)
+
+
+def measure_batch(llm, b: int, n: int, repeats: int, link, ffn_url) -> list[dict]:
+    from vllm import SamplingParams
+
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    full = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    runs = []
+    for _ in range(repeats):
+        t_1, link_1, ffn_1 = timed_generate(llm, one, b, link, ffn_url)
+        t_n, link_n, ffn_n = timed_generate(llm, full, b, link, ffn_url)
+        runs.append({"t_1": t_1, "t_n": t_n, "attention_1": link_1, "attention_n": link_n,
+                     "ffn_1": ffn_1, "ffn_n": ffn_n})
+    return runs
+
+
+def engine_facts(llm) -> dict:
+    import torch
+    import vllm
+
+    return {"dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
+            "vllm": vllm.__version__, "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "affinity": sorted(os.sched_getaffinity(0))}
+
+
+def worker_llm(args: argparse.Namespace) -> dict:
+    """Plain vLLM, or the attention role with --afd-config: time every batch size."""
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(model=str(args.model), enable_prefix_caching=False, seed=0, **ENGINE_ARGS)
+    if args.afd_config:
+        kwargs.update(afd_role="attention", afd_config=json.loads(args.afd_config))
+    t0 = time.monotonic()
+    llm = LLM(**kwargs)
+    init_s = time.monotonic() - t0
+    if args.afd_config:
+        link = lambda: llm.collective_rpc("afd_link_stats")[0]  # noqa: E731
+    else:
+        link = lambda: {}  # noqa: E731
+    warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for b in args.batch_sizes:
+        llm.generate(prompts(b), warm, use_tqdm=False)
+    batches = {str(b): measure_batch(llm, b, args.max_tokens, args.repeats, link, args.ffn_url)
+               for b in args.batch_sizes}
+    return {"engine": {**engine_facts(llm), "init_s": init_s}, "batches": batches}
+
+
+def split_tokens(b: int, m: int) -> list[int]:
+    """Micro-batch sizes of a b-token step: min(m, b) parts differing by <= 1."""
+    k = min(m, b)
+    return [(i + 1) * b // k - i * b // k for i in range(k)]
+
+
+def pin(cores: str) -> None:
+    """Pin the calling thread (Linux: pid 0 is the calling thread; threads
+    started later inherit it) to cores, where this machine has them."""
+    try:
+        os.sched_setaffinity(0, core_set(cores))
+    except OSError as e:
+        print(f"[bench] cannot pin to cores {cores}: {e}", file=sys.stderr)
+
+
+def echo_ffn(ffn, num_layers: int) -> None:
+    """The no-op FFN: send every hidden state straight back."""
+    pin(FFN_CORES)
+    ffn.accept()
+    while True:
+        step = ffn.recv_step(0)
+        if step.is_goodbye or step.is_shutdown:
+            return
+        for layer in range(num_layers):
+            for u in range(len(step.num_tokens)):
+                ffn.send_output(0, layer, u, ffn.recv_hidden(0, layer, u))
+
+
+def floor_steps(attn, tokens: list[int], hidden: int, dtype, num_layers: int,
+                first_step: int, iters: int = 60, warm: int = 10) -> list[float]:
+    """Step times of sequential round trips: every layer, every micro-batch."""
+    import torch
+
+    from vllm.afd.wire import StepHeader
+
+    hs = [torch.randn(n, hidden).to(dtype) for n in tokens]
+    times = []
+    for i in range(warm + iters):
+        t0 = time.perf_counter()
+        attn.send_step(StepHeader(step_id=first_step + i, num_tokens=tokens))
+        for layer in range(num_layers):
+            for u, h in enumerate(hs):
+                attn.send_hidden(layer, u, h)
+                attn.recv_output(layer, u)
+        if i >= warm:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def floor_for_m(m: int, args: argparse.Namespace, hidden: int, num_layers: int) -> dict:
+    import threading
+
+    import torch
+
+    from vllm.afd.config import AFDConfig
+    from vllm.afd.connectors.base import create_connector
+
+    dtype, port = getattr(torch, args.dtype), free_port()
+    conns = {role: create_connector(AFDConfig(role=role, connector="shm", port=port,
+                                              num_ubatches=m, timeout_s=60),
+                                    hidden_size=hidden, dtype=dtype,
+                                    max_tokens=max(args.batch_sizes))
+             for role in ("ffn", "attention")}
+    thread = threading.Thread(target=echo_ffn, args=(conns["ffn"], num_layers), daemon=True)
+    thread.start()
+    out, step = {}, 1
+    try:
+        conns["attention"].connect()
+        for b in args.batch_sizes:
+            tokens = split_tokens(b, m)
+            times = floor_steps(conns["attention"], tokens, hidden, dtype, num_layers, step)
+            step += 1000
+            floor_s = statistics.median(times)
+            out[str(b)] = {"ubatch_tokens": tokens, "floor_ms": floor_s * 1e3,
+                           "round_trip_us": floor_s / (num_layers * len(tokens)) * 1e6}
+    finally:
+        conns["attention"].close()
+        thread.join(10)
+        conns["ffn"].close()
+    return out
+
+
+def worker_floor(args: argparse.Namespace) -> dict:
+    """Transfer floor per m and B: attention side on the attention core, echo
+    FFN thread on the FFN core, shm connector, no compute."""
+    import torch
+
+    torch.set_num_threads(1)
+    cfg = model_facts(args.model)
+    return {str(m): floor_for_m(m, args, cfg["hidden_size"], cfg["num_hidden_layers"])
+            for m in args.ubatches}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker is None:
+        return main_bench(args)
+    pin(args.cores)  # before torch starts any thread
+    result = worker_llm(args) if args.worker == "llm" else worker_floor(args)
+    args.result.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""M:N topologies against the oracle, and the layout rules.
+
+Every attention server in a deployment must give exactly plain vLLM's tokens:
+  2A:1F  two attention servers, one FFN server gathering both (LayerBatcher)
+  3A:2F  uneven: FFN rank 0 serves attention ranks 0 and 2, FFN rank 1 rank 1
+  1A:2F  one FFN server with tensor parallelism 2 (both ranks get every token,
+         the lead answers), and the same with expert parallelism (4 of the 8
+         experts per rank)
+The attention servers are in-process LLMs (tools/oracle.py) run side by side;
+the FFN servers are `vllm serve --afd-role ffn` processes.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from servers import Server, free_port
+from test_oracle import ORACLE, assert_same, plain_result
+
+from vllm.afd.batcher import LayerBatcher
+from vllm.afd.config import AFDConfig
+from vllm.afd.topology import AFDLayoutError, ffn_placement
+
+MODEL = "tiny-qwen3-moe"
+
+
+def start_ffn(model: Path, afd_config: dict, log: Path, *, extra: list[str] = (),
+              cpus: str = "1") -> Server:
+    args = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
+            "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
+            "--afd-role", "ffn", "--afd-config", json.dumps(afd_config), *extra]
+    return Server(str(model), args, log_path=log, env={"VLLM_CPU_OMP_THREADS_BIND": cpus},
+                  name=f"FFN server {afd_config.get('ffn_rank', 0)}")
+
+
+def run_attention_servers(model: Path, tmp_path: Path, configs: list[dict]) -> list[dict]:
+    """tools/oracle.py once per attention config, all at the same time."""
+    procs = []
+    for i, cfg in enumerate(configs):
+        out = tmp_path / f"attention-{i}.json"
+        cmd = [sys.executable, str(ORACLE), str(model), "--out", str(out),
+               "--afd-config", json.dumps({**cfg, "role": "attention"})]
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0")
+        log = open(tmp_path / f"attention-{i}.log", "w")
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                       cwd=tmp_path), out, log))
+    results = []
+    for proc, out, log in procs:
+        rc = proc.wait(timeout=600)
+        log.close()
+        assert rc == 0, Path(log.name).read_text()[-4000:]
+        results.append(json.loads(out.read_text()))
+    return results
+
+
+def check_all(models_dir, tmp_path, results):
+    plain = plain_result(models_dir / MODEL, tmp_path)
+    for afd in results:
+        assert_same(plain, afd)
+        assert afd["link_stats"]["steps"] > 0
+
+
+@pytest.mark.slow
+def test_two_attention_servers_one_ffn(models_dir, tmp_path):
+    base = {"connector": "shm", "port": free_port(), "timeout_s": 120,
+            "num_attention_ranks": 2}
+    with start_ffn(models_dir / MODEL, base, tmp_path / "ffn.log") as ffn:
+        ffn.wait_ready()
+        results = run_attention_servers(models_dir / MODEL, tmp_path,
+                                        [{**base, "attention_rank": a} for a in (0, 1)])
+        _, body = ffn.get("/afd/status")
+    check_all(models_dir, tmp_path, results)
+    status = json.loads(body)["workers"][0]
+    # The FFN rank served both peers' steps (its counters add up theirs).
+    assert status["stats"]["steps"] == sum(r["link_stats"]["steps"] for r in results)
+
+
+@pytest.mark.slow
+def test_three_attention_two_ffn_uneven(models_dir, tmp_path):
+    base = {"connector": "tcp", "port": free_port(), "timeout_s": 120,
+            "num_attention_ranks": 3, "num_ffn_ranks": 2}
+    with start_ffn(models_dir / MODEL, {**base, "ffn_rank": 0}, tmp_path / "ffn0.log",
+                   cpus="1") as ffn0, \
+         start_ffn(models_dir / MODEL, {**base, "ffn_rank": 1}, tmp_path / "ffn1.log",
+                   cpus="0") as ffn1:
+        ffn0.wait_ready()
+        ffn1.wait_ready()
+        results = run_attention_servers(models_dir / MODEL, tmp_path,
+                                        [{**base, "attention_rank": a} for a in range(3)])
+        steps = [json.loads(f.get("/afd/status")[1])["workers"][0]["stats"]["steps"]
+                 for f in (ffn0, ffn1)]
+    check_all(models_dir, tmp_path, results)
+    served = [r["link_stats"]["steps"] for r in results]
+    assert steps == [served[0] + served[2], served[1]]  # a -> FFN rank a % 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["tp", "ep"])
+def test_one_attention_two_ffn_ranks(models_dir, tmp_path, parallel):
+    base = {"connector": "shm" if parallel == "tp" else "tcp", "port": free_port(),
+            "timeout_s": 120, "num_ffn_ranks": 2}
+    extra = ["--tensor-parallel-size", "2"]
+    if parallel == "ep":
+        extra.append("--enable-expert-parallel")
+    with start_ffn(models_dir / MODEL, base, tmp_path / "ffn.log", extra=extra,
+                   cpus="0|1") as ffn:
+        ffn.wait_ready()
+        results = run_attention_servers(models_dir / MODEL, tmp_path, [base])
+        workers = json.loads(ffn.get("/afd/status")[1])["workers"]
+    log = (tmp_path / "ffn.log").read_text()
+    if parallel == "ep":
+        assert "Local/global number of experts: 4/8" in log
+    check_all(models_dir, tmp_path, results)
+    assert [w["rank"] for w in workers] == [0, 1] and workers[0]["group"] == [0, 1]
+    # Both ranks computed every step; only the lead answered.
+    assert workers[0]["steps"] == workers[1]["steps"] == results[0]["link_stats"]["steps"]
+
+
+# ---------------------------------------------------------------- layout rules
+class _Parallel:
+    def __init__(self, tp=1, pp=1, dp=1, dp_rank=0):
+        self.world_size, self.pipeline_parallel_size = tp * pp, pp
+        self.data_parallel_size, self.data_parallel_rank = dp, dp_rank
+
+
+class _Vllm:
+    def __init__(self, afd, **parallel):
+        self.afd_config, self.parallel_config = afd, _Parallel(**parallel)
+
+
+def ffn(**kw) -> AFDConfig:
+    return AFDConfig(role="ffn", **kw)
+
+
+def test_placement_of_ffn_workers():
+    p = ffn_placement(_Vllm(ffn(num_ffn_ranks=2), tp=2), 1)
+    assert (p.rank, p.group, p.is_lead) == (1, [0, 1], False)
+    p = ffn_placement(_Vllm(ffn(num_attention_ranks=3, num_ffn_ranks=2, ffn_rank=1)), 0)
+    assert (p.rank, p.group, p.is_lead) == (1, [1], True)
+
+
+@pytest.mark.parametrize("kwargs, parallel, message", [
+    (dict(num_ffn_ranks=1), dict(tp=2), "take FFN ranks 0-1, but num_ffn_ranks is 1"),
+    (dict(num_ffn_ranks=2, num_attention_ranks=2), dict(tp=2),
+     "serves one attention rank, but attention ranks [0, 1] map to it"),
+    (dict(num_ffn_ranks=3, ffn_rank=2, num_attention_ranks=2), {},
+     "no attention rank maps to FFN ranks 2-2"),
+    (dict(), dict(pp=2), "does not support pipeline parallelism"),
+    (dict(), dict(dp=2), "one FFN server per data-parallel rank"),
+])
+def test_impossible_layouts_fail_with_the_reason(kwargs, parallel, message):
+    with pytest.raises(AFDLayoutError) as e:
+        ffn_placement(_Vllm(ffn(**kwargs), **parallel), 0)
+    assert message in str(e.value)
+
+
+def test_attention_ranks_follow_data_parallel_ranks():
+    from vllm.afd.topology import attention_rank
+
+    cfg = AFDConfig(num_attention_ranks=4, attention_rank=2)
+    assert attention_rank(_Vllm(cfg, dp=2, dp_rank=1)) == 3
+    with pytest.raises(AFDLayoutError, match="take attention ranks 2-4, but "
+                                             "num_attention_ranks is 4"):
+        attention_rank(_Vllm(cfg, dp=3))
+    with pytest.raises(ValueError, match="attention_rank: 4 is not in 0-3"):
+        AFDConfig(num_attention_ranks=4, attention_rank=4)
+
+
+# ---------------------------------------------------------------- the batcher
+def test_batcher_joins_peers_in_a_step_into_one_call():
+    calls = []
+
+    def mlp(layer, x):
+        calls.append((layer, x.shape[0]))
+        return x * 2
+
+    b = LayerBatcher(mlp, window_s=5.0)  # long: only "everyone is here" may trigger
+    for peer in (0, 1, 2):
+        b.begin(peer)
+    outs = {}
+
+    def peer(p):
+        outs[p] = b.compute(7, torch.full((p + 1, 4), float(p)), p)
+
+    threads = [threading.Thread(target=peer, args=(p,)) for p in (0, 1, 2)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert time.monotonic() - t0 < 4  # did not wait for the window
+    assert calls == [(7, 6)]  # one call, 1 + 2 + 3 tokens
+    for p in (0, 1, 2):
+        assert torch.equal(outs[p], torch.full((p + 1, 4), 2.0 * p))
+
+
+def test_batcher_does_not_wait_for_a_peer_between_steps():
+    b = LayerBatcher(lambda layer, x: x + 1, window_s=5.0)
+    b.begin(0)
+    b.begin(1)
+    b.end(1)  # peer 1 finished its step
+    t0 = time.monotonic()
+    out = b.compute(0, torch.zeros(2, 3), 0)
+    assert time.monotonic() - t0 < 4 and torch.equal(out, torch.ones(2, 3))
+
+
+def test_batcher_window_bounds_the_wait_for_a_slow_peer():
+    b = LayerBatcher(lambda layer, x: x, window_s=0.05)
+    b.begin(0)
+    b.begin(1)  # in a step, but never sends
+    t0 = time.monotonic()
+    b.compute(0, torch.zeros(1, 2), 0)
+    assert 0.04 <= time.monotonic() - t0 < 2

@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""LayerBatcher: one mlp call for the same layer of several attention peers.
+
+An FFN rank serving A > 1 attention ranks gets each peer's hidden states on
+its own thread. Each thread hands its (layer, tokens) to compute(); a call
+runs when every peer that is inside a step has handed something in (they
+are in lockstep, as vLLM data-parallel ranks are) or when the oldest pending
+call has waited window_s (a peer between steps, or slower). The pending calls
+are grouped by layer, concatenated, computed once per layer and split back,
+so the FFN sees the tokens of all its peers in one batch.
+"""
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from vllm.afd.connectors.base import AFDConnectionError
+
+# How long a pending call waits for the other peers' calls to join it.
+DEFAULT_WINDOW_S = 0.002
+
+
+class _Call:
+    __slots__ = ("layer", "h", "peer", "out", "done")
+
+    def __init__(self, layer: int, h: torch.Tensor, peer: int) -> None:
+        self.layer, self.h, self.peer = layer, h, peer
+        self.out: torch.Tensor | None = None
+        self.done = False
+
+
+class LayerBatcher:
+    def __init__(self, run_mlp: Callable[[int, torch.Tensor], torch.Tensor],
+                 window_s: float = DEFAULT_WINDOW_S) -> None:
+        self.run_mlp = run_mlp
+        self.window_s = window_s
+        self.cv = threading.Condition()
+        self.pending: list[_Call] = []
+        self.active: set[int] = set()  # peers inside a step
+        self.computing = False
+        self.error: BaseException | None = None
+        self.batches = 0  # mlp calls made
+        self.calls = 0  # compute() calls served
+
+    def begin(self, peer: int) -> None:
+        with self.cv:
+            self.active.add(peer)
+
+    def end(self, peer: int) -> None:
+        with self.cv:
+            self.active.discard(peer)
+            self.cv.notify_all()  # the others may no longer need to wait for it
+
+    def abort(self, error: BaseException) -> None:
+        with self.cv:
+            self.error = self.error or error
+            self.cv.notify_all()
+
+    def compute(self, layer: int, h: torch.Tensor, peer: int) -> torch.Tensor:
+        call = _Call(layer, h, peer)
+        with self.cv:
+            self.pending.append(call)
+            self.cv.notify_all()
+            deadline = time.monotonic() + self.window_s
+            while True:
+                if call.done:
+                    return call.out
+                if self.error is not None:
+                    raise AFDConnectionError(f"AFD FFN: stopped serving attention rank "
+                                             f"{peer}: another peer failed ({self.error})")
+                if not self.computing and self.pending:
+                    waiting = {c.peer for c in self.pending}
+                    if waiting >= self.active or time.monotonic() >= deadline:
+                        batch, self.pending = self.pending, []
+                        self.computing = True
+                        break
+                if self.computing:
+                    self.cv.wait()  # the computing thread notifies when it is done
+                else:
+                    self.cv.wait(max(deadline - time.monotonic(), 0.0))
+        try:
+            self._run(batch)
+        except BaseException as e:
+            self.abort(e)
+            raise
+        finally:
+            with self.cv:
+                self.computing = False
+                self.cv.notify_all()
+        return call.out
+
+    def _run(self, batch: list[_Call]) -> None:
+        by_layer: dict[int, list[_Call]] = {}
+        for c in sorted(batch, key=lambda c: (c.layer, c.peer)):
+            by_layer.setdefault(c.layer, []).append(c)
+        for layer, calls in by_layer.items():
+            x = calls[0].h if len(calls) == 1 else torch.cat([c.h for c in calls])
+            out = self.run_mlp(layer, x)
+            start = 0
+            for c in calls:
+                n = c.h.shape[0]
+                c.out = out[start:start + n]
+                start += n
+            self.batches += 1
+        with self.cv:
+            self.calls += len(batch)
+            for c in batch:
+                c.done = True
