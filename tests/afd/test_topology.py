@@ -4,12 +4,14 @@
 
 Every attention server in a deployment must give exactly plain vLLM's tokens:
   2A:1F  two attention servers, one FFN server gathering both (LayerBatcher)
-  3A:2F  uneven: FFN rank 0 serves attention ranks 0 and 2, FFN rank 1 rank 1
+  3A:2F  uneven: FFN rank 0 serves attention ranks 0 and 2, FFN rank 1 rank 1;
+         ranks 0 and 1 are the data-parallel ranks of one attention server
   1A:2F  one FFN server with tensor parallelism 2 (both ranks get every token,
          the lead answers), and the same with expert parallelism (4 of the 8
          experts per rank)
-The attention servers are in-process LLMs (tools/oracle.py) run side by side;
-the FFN servers are `vllm serve --afd-role ffn` processes.
+Independent attention servers are in-process LLMs (tools/oracle.py) run side
+by side, the data-parallel one a `vllm serve` answering the openai client; the
+FFN servers are `vllm serve --afd-role ffn` processes.
 """
 
 import json
@@ -20,15 +22,18 @@ import threading
 import time
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 
 from servers import Server, free_port
+from oracle import PROMPTS
 from test_oracle import ORACLE, assert_same, plain_result
 
 from vllm.afd.batcher import LayerBatcher
 from vllm.afd.config import AFDConfig
 from vllm.afd.topology import AFDLayoutError, ffn_placement
+from vllm.afd.wire import Routing
 
 MODEL = "tiny-qwen3-moe"
 
@@ -42,7 +47,7 @@ def start_ffn(model: Path, afd_config: dict, log: Path, *, extra: list[str] = ()
                   name=f"FFN server {afd_config.get('ffn_rank', 0)}")
 
 
-def run_attention_servers(model: Path, tmp_path: Path, configs: list[dict]) -> list[dict]:
+def start_attention_servers(model: Path, tmp_path: Path, configs: list[dict]) -> list:
     """tools/oracle.py once per attention config, all at the same time."""
     procs = []
     for i, cfg in enumerate(configs):
@@ -53,6 +58,10 @@ def run_attention_servers(model: Path, tmp_path: Path, configs: list[dict]) -> l
         log = open(tmp_path / f"attention-{i}.log", "w")
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                        cwd=tmp_path), out, log))
+    return procs
+
+
+def collect(procs: list) -> list[dict]:
     results = []
     for proc, out, log in procs:
         rc = proc.wait(timeout=600)
@@ -60,6 +69,10 @@ def run_attention_servers(model: Path, tmp_path: Path, configs: list[dict]) -> l
         assert rc == 0, Path(log.name).read_text()[-4000:]
         results.append(json.loads(out.read_text()))
     return results
+
+
+def run_attention_servers(model: Path, tmp_path: Path, configs: list[dict]) -> list[dict]:
+    return collect(start_attention_servers(model, tmp_path, configs))
 
 
 def check_all(models_dir, tmp_path, results):
@@ -84,23 +97,54 @@ def test_two_attention_servers_one_ffn(models_dir, tmp_path):
     assert status["stats"]["steps"] == sum(r["link_stats"]["steps"] for r in results)
 
 
+def serve_completions(server: Server, model: Path, prompts: list[str]) -> list:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    comp = client.completions.create(
+        model=str(model), prompt=prompts, max_tokens=16, temperature=0, logprobs=1,
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    return sorted(comp.choices, key=lambda c: c.index)
+
+
 @pytest.mark.slow
-def test_three_attention_two_ffn_uneven(models_dir, tmp_path):
+def test_three_attention_two_ffn_uneven_with_data_parallel(models_dir, tmp_path):
+    """3A:2F: attention ranks 0 and 1 are the two data-parallel ranks of one
+    `vllm serve --data-parallel-size 2`, rank 2 an independent in-process
+    server; FFN rank 0 serves ranks 0 and 2, FFN rank 1 serves rank 1."""
+    model = models_dir / MODEL
     base = {"connector": "tcp", "port": free_port(), "timeout_s": 120,
             "num_attention_ranks": 3, "num_ffn_ranks": 2}
-    with start_ffn(models_dir / MODEL, {**base, "ffn_rank": 0}, tmp_path / "ffn0.log",
-                   cpus="1") as ffn0, \
-         start_ffn(models_dir / MODEL, {**base, "ffn_rank": 1}, tmp_path / "ffn1.log",
-                   cpus="0") as ffn1:
+    dp_server = Server(str(model), [
+        "--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
+        "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
+        "--no-enable-prefix-caching", "--data-parallel-size", "2",
+        "--afd-role", "attention", "--afd-config", json.dumps(base)],
+        log_path=tmp_path / "attention-dp.log",
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|0"}, name="attention server (DP=2)")
+    with start_ffn(model, {**base, "ffn_rank": 0}, tmp_path / "ffn0.log", cpus="1") as ffn0, \
+         start_ffn(model, {**base, "ffn_rank": 1}, tmp_path / "ffn1.log", cpus="0") as ffn1, \
+         dp_server:
         ffn0.wait_ready()
         ffn1.wait_ready()
-        results = run_attention_servers(models_dir / MODEL, tmp_path,
-                                        [{**base, "attention_rank": a} for a in range(3)])
-        steps = [json.loads(f.get("/afd/status")[1])["workers"][0]["stats"]["steps"]
-                 for f in (ffn0, ffn1)]
+        # FFN rank 0 starts serving once both its peers (ranks 0 and 2) are
+        # connected, and the DP server is ready only after a first step.
+        procs = start_attention_servers(model, tmp_path, [{**base, "attention_rank": 2}])
+        dp_server.wait_ready()
+        choices = serve_completions(dp_server, model, PROMPTS)
+        results = collect(procs)
+        workers = [json.loads(f.get("/afd/status")[1])["workers"][0] for f in (ffn0, ffn1)]
     check_all(models_dir, tmp_path, results)
-    served = [r["link_stats"]["steps"] for r in results]
-    assert steps == [served[0] + served[2], served[1]]  # a -> FFN rank a % 2
+    plain = plain_result(model, tmp_path)
+    for ref, got in zip(plain["results"], choices):
+        assert got.token_ids == ref["token_ids"], ref["prompt"]
+        diff = max(abs(a - b) for a, b in zip(got.logprobs.token_logprobs, ref["logprobs"]))
+        assert diff <= 1e-5, (ref["prompt"], diff)
+    dp_log = (tmp_path / "attention-dp.log").read_text()
+    assert "AFD attention rank 0 connected via tcp at tcp://127.0.0.1:%d" % base["port"] in dp_log
+    assert "AFD attention rank 1 connected via tcp at tcp://127.0.0.1:%d" % (
+        base["port"] + 1) in dp_log
+    # Both FFN ranks served steps; rank 0 the in-process server's among them.
+    assert workers[0]["steps"] > results[0]["link_stats"]["steps"] > 0
+    assert workers[1]["steps"] > 0
 
 
 @pytest.mark.slow
@@ -201,6 +245,41 @@ def test_batcher_joins_peers_in_a_step_into_one_call():
     assert calls == [(7, 6)]  # one call, 1 + 2 + 3 tokens
     for p in (0, 1, 2):
         assert torch.equal(outs[p], torch.full((p + 1, 4), 2.0 * p))
+
+
+def test_batcher_joins_routing_with_the_hidden_states():
+    """gate_on "attention": each peer's routing rows stay with its tokens in
+    the joined call, in the same (peer) order as the hidden states."""
+    calls = []
+
+    def mlp(layer, x, routing=None):
+        calls.append((layer, x.clone(), routing))
+        # Each row: its hidden value plus its first expert id.
+        return x + routing.topk_ids[:, :1].to(x.dtype)
+
+    b = LayerBatcher(mlp, window_s=5.0)
+    for peer in (0, 1):
+        b.begin(peer)
+    outs = {}
+
+    def peer(p):
+        n = p + 2
+        routing = Routing(torch.full((n, 2), 0.5), torch.full((n, 2), 10 * (p + 1),
+                                                               dtype=torch.int32))
+        outs[p] = b.compute(3, torch.full((n, 4), float(p)), p, routing)
+
+    threads = [threading.Thread(target=peer, args=(p,)) for p in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(calls) == 1
+    layer, x, routing = calls[0]
+    assert layer == 3 and x.shape == (5, 4)
+    assert routing.topk_ids[:, 0].tolist() == [10, 10, 20, 20, 20]
+    assert routing.topk_weights.shape == (5, 2)
+    assert torch.equal(outs[0], torch.full((2, 4), 10.0))
+    assert torch.equal(outs[1], torch.full((3, 4), 21.0))
 
 
 def test_batcher_does_not_wait_for_a_peer_between_steps():
