@@ -3,6 +3,8 @@
 """Construct a model the way vLLM's model loader does, for one AFD role, and
 print what it allocated (run as a subprocess by test_model_split.py).
 
+    role_params_probe.py MODEL plain|attention|ffn [ffn|attention (gate_on)]
+
 Counts right after construction: after loading, CPU kernels repack some
 weights into non-parameter storage, which would hide them from the count."""
 
@@ -27,8 +29,10 @@ from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
 
 def main() -> None:
     model_dir, role = sys.argv[1], sys.argv[2]
+    gate_on = sys.argv[3] if len(sys.argv) > 3 else "ffn"
     args = EngineArgs(model=model_dir, max_model_len=256, enforce_eager=True,
-                      dtype="float32", afd_role=None if role == "plain" else role)
+                      dtype="float32", afd_role=None if role == "plain" else role,
+                      afd_config=None if role == "plain" else {"gate_on": gate_on})
     vllm_config = args.create_engine_config()
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(1, 0, f"tcp://127.0.0.1:{random.randint(20000, 60000)}",

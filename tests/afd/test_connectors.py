@@ -539,6 +539,159 @@ def test_local_misuse_is_a_value_error():
         ffn.close()
 
 
+# ------------------------------------------------------------------ routing
+TOPK = 3
+
+
+def routing_for(n: int, seed: int) -> wire.Routing:
+    g = torch.Generator().manual_seed(seed)
+    return wire.Routing(torch.rand(n, TOPK, generator=g),
+                        torch.randint(0, 8, (n, TOPK), generator=g, dtype=torch.int32))
+
+
+def ffn_serve_routed(ffn, num_layers: int, seen: list) -> int:
+    """Like ffn_serve, but the output also depends on the routing received
+    (out = h * 2 + layer + sum(weights * ids)); even layers are MoE (routed)."""
+    steps = 0
+    while True:
+        step = ffn.recv_step(0)
+        if step.is_shutdown or step.is_goodbye:
+            return steps
+        for layer in range(num_layers):
+            for ubatch in range(len(step.num_tokens)):
+                h = ffn.recv_hidden(0, layer, ubatch)
+                r = ffn.routing(0, ubatch)
+                seen.append((layer, ubatch, None if r is None else
+                             (r.topk_weights.clone(), r.topk_ids.clone())))
+                out = h * 2 + layer
+                if r is not None:
+                    out = out + (r.topk_weights * r.topk_ids).sum(1, keepdim=True).to(h.dtype)
+                ffn.send_output(0, layer, ubatch, out)
+        steps += 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_routing_round_trip(kind, dtype):
+    """gate_on "attention": top-k weights and ids travel with the hidden states
+    of MoE layers (odd hidden sizes too: the routing is padded into alignment),
+    dense layers send none, and both ends count the same bytes."""
+    hidden, num_layers = 63, 2
+    attn, ffn = connect_pair(kind, num_ubatches=2, dtype=dtype, hidden_size=hidden,
+                             routing_topk=TOPK)
+    seen: list = []
+    server = Background(ffn_serve_routed, ffn, num_layers, seen)
+    g = torch.Generator().manual_seed(1)
+    sent = []
+    try:
+        for step_id, tokens in enumerate([[1, 0], [MAX_TOKENS // 2] * 2, [5, 3]]):
+            attn.send_step(StepHeader(step_id=step_id, num_tokens=tokens))
+            for layer in range(num_layers):
+                hs = [torch.randn(n, hidden, generator=g).to(dtype) for n in tokens]
+                rs = [routing_for(n, 10 * step_id + u) if layer % 2 == 0 else None
+                      for u, n in enumerate(tokens)]
+                for u, (h, r) in enumerate(zip(hs, rs)):
+                    attn.send_hidden(layer, u, h, routing=r)
+                    sent.append((layer, u, r))
+                for u, (h, r) in enumerate(zip(hs, rs)):
+                    out = attn.recv_output(layer, u)
+                    expected = h * 2 + layer
+                    if r is not None:
+                        expected = expected + (r.topk_weights * r.topk_ids).sum(
+                            1, keepdim=True).to(dtype)
+                    assert torch.equal(out, expected)
+        attn.send_step(StepHeader(step_id=0, num_tokens=[], flags=wire.SHUTDOWN))
+        assert server.join_result() == 3
+        assert len(seen) == len(sent)
+        for (layer, u, r), (layer2, u2, got) in zip(sent, seen):
+            assert (layer, u) == (layer2, u2)
+            assert (r is None) == (got is None)
+            if r is not None:
+                assert torch.equal(got[0], r.topk_weights) and torch.equal(got[1], r.topk_ids)
+                assert got[0].dtype == torch.float32 and got[1].dtype == torch.int32
+        assert attn.bytes_sent == ffn.bytes_received and attn.bytes_received == ffn.bytes_sent
+    finally:
+        attn.close()
+        ffn.close()
+
+
+@pytest.mark.parametrize("kind", ["loopback", "shm"])
+def test_handshake_refuses_routing_mismatch(kind):
+    """One role routing on the attention side, the other not: refused at the
+    handshake, naming the field, before any tensor moves."""
+    port = free_port()
+    ffn = make(kind, "ffn", port, routing_topk=2)
+    attn = make(kind, "attention", port)
+    waiter = Background(ffn.connect)
+    try:
+        with pytest.raises(ProtocolError, match="routing_topk: expected 2, received 0"):
+            attn.connect()
+        with pytest.raises(ProtocolError, match="routing_topk"):
+            waiter.join_result()
+    finally:
+        attn.close()
+        ffn.close()
+
+
+@pytest.mark.parametrize("topk, nbytes, needle", [
+    (2, 4 * HIDDEN * 4 + 4 * 2 * 8, "LayerFrame.topk: expected 0 or 3, received 2"),
+    (TOPK, 4 * HIDDEN * 4, (f"LayerFrame.nbytes: expected {4 * HIDDEN * 4 + 4 * TOPK * 8} "
+                            f"(shape [4, 64] x float32, topk 3), received 1024")),
+    (TOPK, 4 * HIDDEN * 4 + 4 * TOPK * 8 + 8, "LayerFrame.nbytes: expected 1120"),
+], ids=["wrong-width", "routing-missing", "routing-too-long"])
+def test_malformed_routing_is_refused(topk, nbytes, needle):
+    attn, ffn = connect_pair("tcp", routing_topk=TOPK)
+    try:
+        attn.send_step(StepHeader(step_id=0, num_tokens=[4]))
+        ffn.recv_step(0)
+        bad = LayerFrame(step_id=0, layer_id=0, ubatch_id=0, dtype="float32", shape=[4, HIDDEN],
+                         nbytes=nbytes, topk=topk)
+        attn._links[0].sock.sendall(raw_frame(bad, bytes(nbytes)))
+        with pytest.raises(ProtocolError) as e:
+            ffn.recv_hidden(0, 0, 0)
+        assert needle in str(e.value)
+    finally:
+        attn.close()
+        ffn.close()
+
+
+def test_routing_without_negotiation_is_refused():
+    """An FFN that did not negotiate routing refuses a routed frame; an
+    attention connector without routing refuses to send one."""
+    attn, ffn = connect_pair("tcp")
+    try:
+        attn.send_step(StepHeader(step_id=0, num_tokens=[2]))
+        with pytest.raises(ValueError, match="built without routing"):
+            attn.send_hidden(0, 0, torch.zeros(2, HIDDEN), routing=routing_for(2, 0))
+        ffn.recv_step(0)
+        bad = LayerFrame(step_id=0, layer_id=0, ubatch_id=0, dtype="float32", shape=[2, HIDDEN],
+                         nbytes=2 * HIDDEN * 4 + 2 * TOPK * 8, topk=TOPK)
+        attn._links[0].sock.sendall(raw_frame(bad, bytes(bad.nbytes)))
+        with pytest.raises(ProtocolError, match="LayerFrame.topk: expected 0, received 3"):
+            ffn.recv_hidden(0, 0, 0)
+    finally:
+        attn.close()
+        ffn.close()
+
+
+def test_routing_local_misuse_is_a_value_error():
+    attn, ffn = connect_pair("loopback", routing_topk=TOPK)
+    try:
+        attn.send_step(StepHeader(step_id=0, num_tokens=[2]))
+        good = routing_for(2, 0)
+        for bad, needle in [
+            (wire.Routing(good.topk_weights[:1], good.topk_ids[:1]), r"\[2, 3\]"),
+            (wire.Routing(good.topk_weights.double(), good.topk_ids), "topk_weights"),
+            (wire.Routing(good.topk_weights, good.topk_ids.long()), "topk_ids"),
+            (wire.Routing(good.topk_weights.t().contiguous().t(), good.topk_ids), "contiguous"),
+        ]:
+            with pytest.raises(ValueError, match=needle):
+                attn.send_hidden(0, 0, torch.zeros(2, HIDDEN), routing=bad)
+    finally:
+        attn.close()
+        ffn.close()
+
+
 # ------------------------------------------------------ processes and /dev/shm
 def _attention_process(port: int) -> None:
     attn = make("shm", "attention", port)

@@ -13,18 +13,26 @@ from safetensors import safe_open
 
 PROBE = Path(__file__).with_name("role_params_probe.py")
 MLP = re.compile(r"(^|\.)layers\.\d+\.mlp\.")
+GATE = re.compile(r"(^|\.)layers\.\d+\.mlp\.gate\.")  # the MoE router gate
+
+_probes: dict[tuple, dict] = {}
 
 
-def probe(model: Path, role: str) -> dict:
-    proc = subprocess.run([sys.executable, str(PROBE), str(model), role],
-                          capture_output=True, text=True, timeout=300, cwd="/")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def probe(model: Path, role: str, gate_on: str = "ffn") -> dict:
+    key = (str(model), role, gate_on if role != "plain" else "")
+    if key not in _probes:
+        proc = subprocess.run([sys.executable, str(PROBE), str(model), role, gate_on],
+                              capture_output=True, text=True, timeout=300, cwd="/")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        _probes[key] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return _probes[key]
 
 
-def checkpoint_counts(model: Path) -> tuple[int, int]:
-    """(numel of the MLP/MoE tensors, numel of everything else) in the checkpoint."""
+def checkpoint_counts(model: Path) -> tuple[int, int, dict[str, int]]:
+    """(numel of the MLP/MoE tensors, numel of everything else, {router gate
+    tensor: numel}) in the checkpoint."""
     ffn = rest = 0
+    gates = {}
     with safe_open(str(model / "model.safetensors"), "pt") as f:
         for name in f.keys():
             n = f.get_slice(name).get_shape()
@@ -35,26 +43,35 @@ def checkpoint_counts(model: Path) -> tuple[int, int]:
                 ffn += numel
             else:
                 rest += numel
-    return ffn, rest
+            if GATE.search(name):
+                gates[name] = numel
+    return ffn, rest, gates
 
 
+@pytest.mark.parametrize("gate_on", ["ffn", "attention"])
 @pytest.mark.parametrize("model_name", ["tiny-qwen3-moe", "tiny-deepseek-v2",
                                         "tiny-deepseek-v3"])
-def test_roles_split_the_checkpoint(models_dir, model_name):
+def test_roles_split_the_checkpoint(models_dir, model_name, gate_on):
     model = models_dir / model_name
-    ckpt_ffn, ckpt_rest = checkpoint_counts(model)
-    plain, attn, ffn = (probe(model, r) for r in ("plain", "attention", "ffn"))
-    print(f"{model_name}: checkpoint mlp={ckpt_ffn} rest={ckpt_rest}; plain="
-          f"{plain['num_params']} attention={attn['num_params']} ffn={ffn['num_params']}")
+    ckpt_ffn, ckpt_rest, ckpt_gates = checkpoint_counts(model)
+    plain = probe(model, "plain")
+    attn, ffn = probe(model, "attention", gate_on), probe(model, "ffn", gate_on)
+    # gate_on "attention": the attention role also holds every MoE router gate
+    # (weight, and DeepSeek-V3's e_score_correction_bias), nothing else of the mlps.
+    gates = ckpt_gates if gate_on == "attention" else {}
+    print(f"{model_name} gate_on={gate_on}: checkpoint mlp={ckpt_ffn} rest={ckpt_rest} "
+          f"gates={sum(gates.values())}; plain={plain['num_params']} "
+          f"attention={attn['num_params']} ffn={ffn['num_params']}")
+    assert ckpt_gates  # every tiny model has MoE layers
     assert plain["num_params"] == ckpt_ffn + ckpt_rest
     assert ffn["num_params"] == ckpt_ffn
-    assert attn["num_params"] == ckpt_rest
+    assert attn["num_params"] == ckpt_rest + sum(gates.values())
     assert not attn["meta"] and not ffn["meta"]
     # The FFN role holds no attention, embedding, norm or lm_head parameter ...
     assert all(MLP.search(n) for n in ffn["names"]), [n for n in ffn["names"]
                                                       if not MLP.search(n)]
-    # ... and the attention role no MLP/expert parameter.
-    assert not any(MLP.search(n) for n in attn["names"])
+    # ... and the attention role no MLP/expert parameter (but the gates).
+    assert sorted(n for n in attn["names"] if MLP.search(n)) == sorted(gates)
     # Every decoder layer's mlp is remote on the attention role, and only the
     # FFN role registers MoE layers (attention layers never exist there).
     layers = {int(m.group(1)) for n in plain["names"] if (m := re.search(r"layers\.(\d+)", n))}

@@ -8,6 +8,9 @@ plain vLLM and once as the attention role against a real `vllm serve --afd-role
 ffn` process (loopback: an FFN engine in the oracle's own process), and compares
 token ids exactly and logprobs within 1e-5. The nccl connector needs GPUs; its
 protocol is tested against a fake communicator in test_connectors.py.
+
+gate_on "attention" cases run the MoE routers on the attention role; they also
+check, on both roles, that every MoE layer call really carried its routing.
 """
 
 import json
@@ -17,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 from servers import Server, free_port
 
@@ -84,29 +88,58 @@ def assert_micro_batched(afd: dict, model: Path, num_ubatches: int) -> None:
         assert calls_per_step > layers * (num_ubatches - 0.5), stats
 
 
+def moe_layers(model: Path) -> list[int]:
+    """The decoder layers with a MoE router gate in the checkpoint."""
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        return sorted({int(name.split(".layers.")[1].split(".")[0]) for name in f.keys()
+                       if ".mlp.gate.weight" in name})
+
+
+def assert_routing(model: Path, gate_on: str, stats: dict) -> None:
+    """With gate_on "attention" exactly the MoE layers' calls carried routing
+    (stats of either role); with "ffn" none did."""
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    assert stats["layer_calls"] > 0, stats
+    if gate_on == "ffn":
+        assert stats["routed_calls"] == 0, stats
+    else:
+        assert stats["routed_calls"] == stats["layer_calls"] * len(moe_layers(model)) // layers
+        assert stats["routed_calls"] > 0, stats
+
+
+def ffn_stats(ffn: Server) -> dict:
+    code, body = ffn.get("/afd/status")
+    assert code == 200, body
+    return json.loads(body)["workers"][0]["stats"]
+
+
 CASES = [
-    # (model, connector, compile, micro-batches)
-    ("tiny-qwen3-moe", "shm", False, 1),
-    ("tiny-qwen3-moe", "tcp", False, 1),
-    ("tiny-qwen3-moe", "loopback", False, 1),
-    ("tiny-qwen3-moe", "shm", True, 2),
-    ("tiny-deepseek-v2", "shm", False, 1),
-    ("tiny-deepseek-v3", "tcp", False, 1),
+    # (model, connector, compile, micro-batches, gate_on)
+    ("tiny-qwen3-moe", "shm", False, 1, "ffn"),
+    ("tiny-qwen3-moe", "tcp", False, 1, "ffn"),
+    ("tiny-qwen3-moe", "loopback", False, 1, "ffn"),
+    ("tiny-deepseek-v2", "shm", False, 1, "ffn"),
+    # Routers on the attention role: compiled with micro-batches (Qwen3-MoE:
+    # softmax top-k), eager (DeepSeek-V3: grouped top-k with a correction bias).
+    # DeepSeek-V3 with the gate on the FFN is test_serve.py's case.
+    ("tiny-qwen3-moe", "shm", True, 2, "attention"),
+    ("tiny-deepseek-v3", "tcp", False, 1, "attention"),
 ]
 
 
-@pytest.mark.parametrize("model_name, connector, compile_model, num_ubatches", CASES,
+@pytest.mark.parametrize("model_name, connector, compile_model, num_ubatches, gate_on", CASES,
                          ids=[f"{m}-{c}{'-compile' if k else ''}{f'-m{u}' if u > 1 else ''}"
-                              for m, c, k, u in CASES])
+                              f"{'-gate-attention' if g == 'attention' else ''}"
+                              for m, c, k, u, g in CASES])
 def test_afd_matches_plain(models_dir, tmp_path, model_name, connector, compile_model,
-                           num_ubatches):
+                           num_ubatches, gate_on):
     model = models_dir / model_name
     # MLA on CPU is not batch-invariant run to run (shared reference §8): for the
     # DeepSeek models compare single-prompt runs, where plain vLLM is stable.
     num_prompts = 1 if "deepseek" in model_name else 10
     plain = plain_result(model, tmp_path, compile_model, num_prompts)
     afd_config = {"connector": connector, "port": free_port(), "timeout_s": 60,
-                  "num_ubatches": num_ubatches}
+                  "num_ubatches": num_ubatches, "gate_on": gate_on}
     if connector == "loopback":
         # Both roles in the oracle's process (tools/oracle.py starts the FFN engine).
         afd = run_oracle(model, tmp_path / "afd.json", {**afd_config, "role": "attention"},
@@ -116,8 +149,10 @@ def test_afd_matches_plain(models_dir, tmp_path, model_name, connector, compile_
             ffn.wait_ready()
             afd = run_oracle(model, tmp_path / "afd.json", {**afd_config, "role": "attention"},
                              compile_model=compile_model, num_prompts=num_prompts)
+            assert_routing(model, gate_on, ffn_stats(ffn))
     assert_same(plain, afd)
     assert_micro_batched(afd, model, num_ubatches if num_prompts > 1 else 1)
+    assert_routing(model, gate_on, afd["link_stats"])
 
 
 @pytest.fixture(scope="module")

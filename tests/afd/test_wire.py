@@ -46,6 +46,8 @@ def check(f: LayerFrame, **overrides) -> torch.dtype:
     StepHeader(step_id=0, num_tokens=[], flags=wire.GOODBYE),
     frame(),
     frame(dtype="bfloat16", shape=[0, 4096], nbytes=0),
+    frame(topk=2, nbytes=8 * 128 * 4 + 8 * 2 * 8),
+    hello(routing_topk=8),
     ErrorFrame(text="FFN rank 0: MoE kernel failed"),
 ], ids=lambda m: type(m).__name__)
 def test_round_trip(message):
@@ -134,8 +136,24 @@ def test_check_frame_accepts_and_returns_dtype():
     # by the size check, nothing is allocated.
     (frame(shape=[2**40, 128], nbytes=2**40 * 128 * 4), {},
      f"LayerFrame.nbytes: expected at most 1048576, received {2**40 * 512}"),
+    # Routing (gate_on "attention"): only the negotiated width, sizes include it.
+    (frame(topk=2, nbytes=8 * 128 * 4 + 8 * 2 * 8), {},
+     "LayerFrame.topk: expected 0, received 2"),
+    (frame(topk=3, nbytes=8 * 128 * 4 + 8 * 3 * 8), {"routing_topk": 2},
+     "LayerFrame.topk: expected 0 or 2, received 3"),
+    (frame(topk=2), {"routing_topk": 2},
+     "LayerFrame.nbytes: expected 4224 (shape [8, 128] x float32, topk 2), received 4096"),
+    (frame(topk=2, nbytes=8 * 128 * 4 + 8 * 2 * 4), {"routing_topk": 2},
+     "LayerFrame.nbytes: expected 4224 (shape [8, 128] x float32, topk 2), received 4160"),
+    (frame(topk=2, shape=[8, 2, 64], nbytes=8 * 128 * 4 + 8 * 2 * 8),
+     {"routing_topk": 2, "hidden_size": None, "expected_shape_tail": (2, 64)},
+     "LayerFrame.shape: expected [num_tokens, hidden_size] (routed frame), received"),
+    (frame(topk=2, shape=[2048, 128], nbytes=2048 * 128 * 4 + 2048 * 2 * 8),
+     {"routing_topk": 2}, "LayerFrame.nbytes: expected at most 1048576, received 1081344"),
 ], ids=["layer", "ubatch", "step", "hidden", "ndim", "no-dims", "tokens", "dtype",
-        "dtype-not-allowed", "nbytes-mismatch", "oversized", "hostile-shape"])
+        "dtype-not-allowed", "nbytes-mismatch", "oversized", "hostile-shape",
+        "routing-not-negotiated", "routing-width", "routing-bytes-missing",
+        "routing-bytes-short", "routing-3d", "routing-oversized"])
 def test_check_frame_errors(bad, overrides, message):
     with pytest.raises(ProtocolError) as e:
         check(bad, context="from FFN rank 0", **overrides)
@@ -207,3 +225,39 @@ def test_layer_frame_describes_tensor():
     t = torch.zeros(3, 64, dtype=torch.bfloat16)
     assert wire.layer_frame(t, step_id=1, layer_id=2, ubatch_id=0) == LayerFrame(
         step_id=1, layer_id=2, ubatch_id=0, dtype="bfloat16", shape=[3, 64], nbytes=384)
+
+
+def routing(n: int, k: int, seed: int = 0) -> wire.Routing:
+    g = torch.Generator().manual_seed(seed)
+    return wire.Routing(torch.rand(n, k, generator=g),
+                        torch.randint(0, 64, (n, k), generator=g, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype, n, hidden", [(torch.float32, 8, 128), (torch.bfloat16, 3, 5),
+                                              (torch.float16, 1, 7), (torch.bfloat16, 0, 4)])
+def test_routed_payload_round_trip(dtype, n, hidden):
+    """Hidden states, padding, weights, ids: one payload, split back into views."""
+    h = torch.randn(n, hidden).to(dtype)
+    r = routing(n, 3)
+    f = wire.layer_frame(h, step_id=1, layer_id=2, ubatch_id=0, topk=3)
+    assert f.topk == 3 and f.nbytes == wire.frame_nbytes(dtype, [n, hidden], 3)
+    assert check(f, step_id=1, layer_id=2, ubatch_id=0, hidden_size=hidden, dtype=dtype,
+                 routing_topk=3) is dtype
+    raw = torch.cat([wire.tensor_bytes(p) for p in wire.routed_parts(h, r)])
+    assert raw.numel() == f.nbytes
+    h2, r2 = wire.split_routed(raw, dtype, [n, hidden], 3)
+    assert torch.equal(h2, h) and torch.equal(r2.topk_weights, r.topk_weights)
+    assert torch.equal(r2.topk_ids, r.topk_ids)
+    assert r2.topk_weights.dtype == torch.float32 and r2.topk_ids.dtype == torch.int32
+    raw.zero_()  # views, not copies
+    assert not r2.topk_ids.any()
+    with pytest.raises(ProtocolError, match="routed payload length"):
+        wire.split_routed(torch.zeros(f.nbytes + 1, dtype=torch.uint8), dtype, [n, hidden], 3)
+
+
+def test_routing_topk_bounds_on_the_wire():
+    data = msgspec.msgpack.encode({**msgspec.to_builtins(frame()), "kind": "layer",
+                                   "topk": wire.MAX_TOPK + 1})
+    with pytest.raises(ProtocolError, match=r"<= 1024 - at `\$.topk`"):
+        wire.decode(data)
+    assert wire.decode(wire.encode(hello())).routing_topk == 0  # default: no routing

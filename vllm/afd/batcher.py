@@ -8,7 +8,8 @@ runs when every peer that is inside a step has handed something in (they
 are in lockstep, as vLLM data-parallel ranks are) or when the oldest pending
 call has waited window_s (a peer between steps, or slower). The pending calls
 are grouped by layer, concatenated, computed once per layer and split back,
-so the FFN sees the tokens of all its peers in one batch.
+so the FFN sees the tokens of all its peers in one batch (and their MoE
+routing, when it comes from the attention side, concatenated alike).
 """
 
 import threading
@@ -18,22 +19,27 @@ from collections.abc import Callable
 import torch
 
 from vllm.afd.connectors.base import AFDConnectionError
+from vllm.afd.wire import Routing
 
 # How long a pending call waits for the other peers' calls to join it.
 DEFAULT_WINDOW_S = 0.002
 
 
 class _Call:
-    __slots__ = ("layer", "h", "peer", "out", "done")
+    __slots__ = ("layer", "h", "peer", "routing", "out", "done")
 
-    def __init__(self, layer: int, h: torch.Tensor, peer: int) -> None:
-        self.layer, self.h, self.peer = layer, h, peer
+    def __init__(self, layer: int, h: torch.Tensor, peer: int,
+                 routing: Routing | None = None) -> None:
+        self.layer, self.h, self.peer, self.routing = layer, h, peer, routing
         self.out: torch.Tensor | None = None
         self.done = False
 
 
 class LayerBatcher:
-    def __init__(self, run_mlp: Callable[[int, torch.Tensor], torch.Tensor],
+    """run_mlp(layer, x) computes a batch; run_mlp(layer, x, routing) when the
+    calls came with routing."""
+
+    def __init__(self, run_mlp: Callable[..., torch.Tensor],
                  window_s: float = DEFAULT_WINDOW_S) -> None:
         self.run_mlp = run_mlp
         self.window_s = window_s
@@ -59,8 +65,9 @@ class LayerBatcher:
             self.error = self.error or error
             self.cv.notify_all()
 
-    def compute(self, layer: int, h: torch.Tensor, peer: int) -> torch.Tensor:
-        call = _Call(layer, h, peer)
+    def compute(self, layer: int, h: torch.Tensor, peer: int,
+                routing: Routing | None = None) -> torch.Tensor:
+        call = _Call(layer, h, peer, routing)
         with self.cv:
             self.pending.append(call)
             self.cv.notify_all()
@@ -98,7 +105,17 @@ class LayerBatcher:
             by_layer.setdefault(c.layer, []).append(c)
         for layer, calls in by_layer.items():
             x = calls[0].h if len(calls) == 1 else torch.cat([c.h for c in calls])
-            out = self.run_mlp(layer, x)
+            routed = [c.routing for c in calls if c.routing is not None]
+            if not routed:
+                out = self.run_mlp(layer, x)
+            elif len(routed) != len(calls):  # the FFN loop checks this per peer first
+                raise RuntimeError(f"AFD FFN: layer {layer}: some peers sent routing, "
+                                   f"others did not")
+            else:
+                routing = routed[0] if len(routed) == 1 else Routing(
+                    torch.cat([r.topk_weights for r in routed]),
+                    torch.cat([r.topk_ids for r in routed]))
+                out = self.run_mlp(layer, x, routing)
             start = 0
             for c in calls:
                 n = c.h.shape[0]

@@ -8,6 +8,9 @@ thread per peer receives and answers, and a LayerBatcher joins their
 same-layer calls into one mlp call. In a tensor/expert-parallel FFN server
 every worker computes every token; only the group's lead answers.
 
+With gate_on "attention" the MoE layers' routing comes with their hidden
+states and the mlp runs with it (vllm.afd.routing.call_with_routing).
+
 A failure is kept and reported through status(); the engine turns it into an
 unhealthy /health and a log line naming the peer, layer and error.
 """
@@ -19,8 +22,10 @@ import torch
 from vllm.afd.batcher import LayerBatcher
 from vllm.afd.connectors.base import AFDConnector, AFDTimeoutError, create_connector
 from vllm.afd.model_split import ffn_layers
+from vllm.afd.routing import call_with_routing
 from vllm.afd.stats import LinkStats, now
 from vllm.afd.topology import ffn_placement
+from vllm.afd.wire import ProtocolError, Routing
 from vllm.forward_context import create_forward_context, override_forward_context
 from vllm.logger import init_logger
 
@@ -35,6 +40,9 @@ class FFNLoop:
         self.layers = ffn_layers(model)
         if not self.layers:
             raise RuntimeError("AFD FFN role: the model has no mlp layers to serve")
+        # gate_on "attention": MoE layer -> experts per token of its routing.
+        self.routed_layers: dict[int, int] = dict(getattr(model, "afd_routed_layers", {}))
+        self.routing_topk = max(self.routed_layers.values(), default=0)
         mc = vllm_config.model_config
         self.hidden_size = mc.get_hidden_size()
         self.dtype = mc.dtype
@@ -86,7 +94,7 @@ class FFNLoop:
                 self.connector = create_connector(
                     self.afd_config, hidden_size=self.hidden_size, dtype=self.dtype,
                     max_tokens=self.max_tokens, rank=self.placement.rank,
-                    ffn_group=self.placement.group)
+                    ffn_group=self.placement.group, routing_topk=self.routing_topk)
             except Exception as e:  # a configuration error: nothing to retry
                 self.error = f"{type(e).__name__}: {e}"
                 logger.error("AFD FFN loop cannot start: %s", self.error)
@@ -136,10 +144,11 @@ class FFNLoop:
         if errors:
             raise errors[0]
 
-    def _run_mlp(self, layer_idx: int, h: torch.Tensor) -> torch.Tensor:
+    def _run_mlp(self, layer_idx: int, h: torch.Tensor,
+                 routing: Routing | None = None) -> torch.Tensor:
         t0 = now()
         with override_forward_context(self._ctx):
-            out = self.layers[layer_idx](h)
+            out = call_with_routing(self.layers[layer_idx], h, routing)
         self.compute.compute_s += now() - t0
         return out
 
@@ -161,14 +170,17 @@ class FFNLoop:
             if batcher is not None:
                 batcher.begin(peer)
             t_step = now()
+            routed = 0
             try:
                 for layer_idx in self.layers:
                     for u in range(num_ubatches):
                         t0 = now()
                         h = conn.recv_hidden(peer, layer_idx, u)
+                        routing = self._routing_of(conn, peer, layer_idx, u)
                         t1 = now()
-                        out = compute(layer_idx, h) if batcher is None else compute(
-                            layer_idx, h, peer)
+                        out = compute(layer_idx, h, routing) if batcher is None else compute(
+                            layer_idx, h, peer, routing)
+                        routed += routing is not None
                         t2 = now()
                         if answer:
                             conn.send_output(peer, layer_idx, u, out)
@@ -180,4 +192,20 @@ class FFNLoop:
             stats.step_wall_s += now() - t_step
             stats.steps += 1
             stats.layer_calls += len(self.layers) * num_ubatches
+            stats.routed_calls += routed
             stats.tokens += len(self.layers) * sum(header.num_tokens)
+
+    def _routing_of(self, conn: AFDConnector, peer: int, layer_idx: int,
+                    ubatch: int) -> Routing | None:
+        """The routing that came with (layer, ubatch): present exactly for the
+        MoE layers when gate_on is "attention" (the connector checked its width)."""
+        routing = conn.routing(peer, ubatch)
+        expected = layer_idx in self.routed_layers
+        if (routing is not None) != expected:
+            error = ProtocolError(
+                f"layer {layer_idx} from attention rank {peer}: expected "
+                f"{'routing' if expected else 'no routing'} with the hidden states, received "
+                f"{'none' if routing is None else 'routing'} (gate_on must match on both roles)")
+            conn.report_error(str(error))
+            raise error
+        return routing

@@ -6,6 +6,7 @@ Each forward pass is one step: the first remote layer of a pass announces the
 step (StepHeader), then every layer sends its hidden states and waits for the
 FFN's result. The connection is made on first use, so the attention server may
 start before the FFN server (it waits up to timeout_s, saying what it waits for).
+With gate_on "attention", MoE layers pass their routing along (vllm.afd.routing).
 """
 
 import atexit
@@ -33,6 +34,7 @@ class AttentionLink:
         self.max_tokens = max_tokens
         self.rank = rank
         self.layers: list[int] = []
+        self.routing_topk = 0  # experts per token of the routed layers (0: none)
         self.step_id = 0
         self.connector = None  # the FFN rank that answers (its group's lead)
         self.followers: list = []  # the other ranks of its group: they only listen
@@ -40,17 +42,20 @@ class AttentionLink:
         self._step_start = 0.0
         self._step_calls_left = 0
 
-    def add_layer(self, layer_idx: int) -> None:
+    def add_layer(self, layer_idx: int, routing_topk: int = 0) -> None:
+        """Register a remote layer; routing_topk > 0: it sends routing that wide."""
         if layer_idx not in self.layers:
             self.layers.append(layer_idx)
             self.layers.sort()
+        self.routing_topk = max(self.routing_topk, routing_topk)
 
     def _connected(self):
         from vllm.afd.connectors.base import create_connector
 
         if self.connector is None:
             kwargs = dict(hidden_size=self.hidden_size, dtype=self.dtype,
-                          max_tokens=self.max_tokens, rank=self.rank)
+                          max_tokens=self.max_tokens, rank=self.rank,
+                          routing_topk=self.routing_topk)
             first = create_connector(self.afd_config, **kwargs)
             connectors = {first.ffn_rank: first}
             try:
@@ -71,10 +76,12 @@ class AttentionLink:
             self.followers = list(connectors.values())
         return self.connector
 
-    def exchange(self, layer_idx: int, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Run layer `layer_idx`'s mlp on the FFN server. Inside a micro-batch
-        ping-pong (vllm.afd.ubatch), send, let the next micro-batch compute
-        while the FFN works, then receive."""
+    def exchange(self, layer_idx: int, hidden_states: torch.Tensor,
+                 routing=None) -> torch.Tensor:
+        """Run layer `layer_idx`'s mlp on the FFN server (routing: its MoE
+        routing, a wire.Routing, when gate_on is "attention"). Inside a
+        micro-batch ping-pong (vllm.afd.ubatch), send, let the next
+        micro-batch compute while the FFN works, then receive."""
         from vllm.afd.ubatch import current_turn
         from vllm.afd.wire import StepHeader
 
@@ -94,9 +101,11 @@ class AttentionLink:
                 self._step_calls_left = len(self.layers) * len(num_tokens)
                 self.stats.tokens += sum(num_tokens) * len(self.layers)
             hidden_states = hidden_states.contiguous()
+            # Every member of an expert-parallel FFN group gets the routing.
             for follower in self.followers:
-                follower.send_hidden(layer_idx, ubatch, hidden_states, expect_output=False)
-            connector.send_hidden(layer_idx, ubatch, hidden_states)
+                follower.send_hidden(layer_idx, ubatch, hidden_states, expect_output=False,
+                                     routing=routing)
+            connector.send_hidden(layer_idx, ubatch, hidden_states, routing=routing)
             t1 = now()
             if pp is not None:
                 pp.yield_turn(ubatch)
@@ -113,6 +122,7 @@ class AttentionLink:
         stats.send_s += t1 - t0
         stats.wait_s += t3 - t2
         stats.layer_calls += 1
+        stats.routed_calls += routing is not None
         self._step_calls_left -= 1
         if self._step_calls_left == 0:
             stats.steps += 1

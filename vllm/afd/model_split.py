@@ -19,6 +19,11 @@ After construction (build_model, called by the model loader) the attention role
 swaps each meta-built mlp for a RemoteFFN. Swapping afterwards, not inside the
 layer, keeps upstream's own checks on the model (isinstance tests on `mlp`,
 expert counts for EPLB) working on both roles.
+
+gate_on "attention" (vllm.afd.routing): the attention role keeps each MoE
+layer's router gate (materialized, loaded from `layers.N.mlp.gate.*`) and
+router inside its RemoteFFN; the FFN role, unchanged otherwise, routes MoE
+layers with what the attention side sent.
 """
 
 import re
@@ -34,6 +39,9 @@ logger = init_logger(__name__)
 
 # Checkpoint and module names of the parts the FFN role owns.
 _MLP_NAME = re.compile(r"(^|\.)layers\.(\d+)\.mlp(\.|$)")
+# The MoE router gate, which the attention role also owns with gate_on "attention"
+# (dense layers' gate_proj / gate_up_proj do not match).
+_GATE_NAME = re.compile(r"(^|\.)layers\.\d+\.mlp\.gate\.")
 
 
 class _MLPScope:
@@ -89,8 +97,9 @@ def filter_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
         yield from weights
         return
     keep_ffn = role == "ffn"
+    keep_gate = not keep_ffn and getattr(model, "afd_gate_on", "ffn") == "attention"
     for name, tensor in weights:
-        if is_ffn_name(name) == keep_ffn:
+        if is_ffn_name(name) == keep_ffn or (keep_gate and _GATE_NAME.search(name)):
             yield name, tensor
 
 
@@ -126,20 +135,31 @@ def build_model(vllm_config, construct):
         for key in set(rotary_embedding._ROPE_DICT) - ropes_before:
             del rotary_embedding._ROPE_DICT[key]
         _strip_to_ffn(model, vllm_config)
+        if afd.gate_on == "attention":
+            from vllm.afd.routing import use_received_routing
+
+            # Read by the FFN loop: which layers expect routing, and how wide.
+            model.afd_routed_layers = use_received_routing(ffn_layers(model))
     _check_no_meta(model, afd.role)
     model.afd_role = afd.role  # read by filter_weights
+    model.afd_gate_on = afd.gate_on
     return model
 
 
 def _swap_in_remote_ffn(model: nn.Module, vllm_config) -> None:
+    from vllm.afd import routing
     from vllm.afd.remote_ffn import RemoteFFN
 
+    gate_on_attention = vllm_config.afd_config.gate_on == "attention"
     swapped = []
     for name, module in list(model.named_modules()):
         if name.endswith(".mlp") and _MLP_NAME.search(name):
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name)
-            setattr(parent, attr, RemoteFFN(_layer_index(name), vllm_config))
+            gate = router = None
+            if gate_on_attention and routing.moe_runners(module):
+                gate, router = routing.take_router(module, vllm_config.device_config.device)
+            setattr(parent, attr, RemoteFFN(_layer_index(name), vllm_config, gate, router))
             swapped.append(name)
     if not swapped:
         raise ValueError(

@@ -24,6 +24,7 @@ now = time.perf_counter
 class LinkStats:
     steps: int = 0
     layer_calls: int = 0  # one per (layer, micro-batch)
+    routed_calls: int = 0  # layer calls whose MoE routing came from the attention side
     tokens: int = 0  # tokens through the mlp layers, summed over layer calls
     step_wall_s: float = 0.0
     compute_s: float = 0.0  # FFN: mlp compute

@@ -14,6 +14,7 @@ Conversation, per attention rank and its FFN server:
     FFN -> attention   HelloAck                  accepted, or rejected with reason
     attention -> FFN   StepHeader                once per model step
     attention -> FFN   LayerFrame + hidden       per layer and micro-batch
+                       (+ top-k routing when AFDConfig.gate_on == "attention")
     FFN -> attention   LayerFrame + output       same layer and micro-batch
     either             StepHeader(GOODBYE)       on close
     either             ErrorFrame                on a fatal error
@@ -27,7 +28,7 @@ import ctypes
 import math
 import warnings
 from collections.abc import Sequence
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 import msgspec
 import torch
@@ -37,12 +38,25 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 # Bump on any incompatible change; peers with different versions refuse to talk.
-PROTOCOL_VERSION = 1
+# 2: LayerFrame.topk and Hello.routing_topk (routing computed on the attention side).
+PROTOCOL_VERSION = 2
 
 MAX_UBATCHES = 4  # AFDConfig.num_ubatches is 1..4
 MAX_DIMS = 8
 MAX_TEXT = 4096  # reasons and error texts; a peer cannot make us log megabytes
 MAX_FINGERPRINT_ITEMS = 64
+MAX_TOPK = 1024  # experts per token; real models use 1-16
+
+# Routing (AFDConfig.gate_on == "attention") travels in the same payload as the
+# hidden states it belongs to, after them:
+#   [hidden states: shape x dtype][zero padding to ROUTING_ALIGN]
+#   [topk_weights: float32 [n, topk]][topk_ids: int32 [n, topk]]
+# One payload, not a second frame: transports keep one buffer per (peer,
+# micro-batch), and a second frame would overwrite the first. The padding keeps
+# the weights and ids aligned for zero-copy views, whatever the hidden dtype.
+ROUTING_ALIGN = 8
+ROUTING_WEIGHT_DTYPE = torch.float32
+ROUTING_ID_DTYPE = torch.int32
 
 # Payload dtypes, by the names that travel in LayerFrame.dtype and Hello.dtype.
 DTYPES: dict[str, torch.dtype] = {
@@ -88,6 +102,9 @@ class Hello(Message, tag="hello"):
     dtype: Name
     max_tokens: Annotated[int, msgspec.Meta(ge=1)]
     connector: Name = ""
+    # Experts per token of the routing sent with MoE layers' hidden states (0:
+    # the FFN routes itself, AFDConfig.gate_on == "ffn"); both sides must agree.
+    routing_topk: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOPK)] = 0
     # Free-form identity of the model/config (e.g. model name, layer count,
     # quantization); keys both sides know must match.
     fingerprint: Annotated[dict[Name, Text],
@@ -143,6 +160,9 @@ class LayerFrame(Message, tag="layer"):
     dtype: Name
     shape: Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_DIMS)]
     nbytes: NonNegInt
+    # > 0: the payload carries this many routed experts per token after the
+    # hidden states (see ROUTING_ALIGN); only attention -> FFN, MoE layers.
+    topk: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOPK)] = 0
 
 
 class ErrorFrame(Message, tag="error"):
@@ -208,6 +228,56 @@ def payload_nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+class Routing(NamedTuple):
+    """The router's decision for n tokens: what vLLM's FusedMoERouter.select_experts
+    returns, as it travels (logical expert ids, before any EPLB mapping)."""
+
+    topk_weights: torch.Tensor  # ROUTING_WEIGHT_DTYPE [n, topk]
+    topk_ids: torch.Tensor  # ROUTING_ID_DTYPE [n, topk]
+
+
+def _routing_offset(hidden_nbytes: int) -> int:
+    return -(-hidden_nbytes // ROUTING_ALIGN) * ROUTING_ALIGN
+
+
+def frame_nbytes(dtype: torch.dtype, shape: Sequence[int], topk: int = 0) -> int:
+    """Payload bytes of a LayerFrame: the tensor, plus routing when topk > 0."""
+    nbytes = payload_nbytes(dtype, shape)
+    if topk == 0:
+        return nbytes
+    rows = shape[0] if shape else 0
+    return _routing_offset(nbytes) + rows * topk * (ROUTING_WEIGHT_DTYPE.itemsize
+                                                    + ROUTING_ID_DTYPE.itemsize)
+
+
+def routed_parts(tensor: torch.Tensor, routing: Routing) -> list[torch.Tensor]:
+    """The pieces of a routed payload, to be sent back to back (no copy)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    pad = _routing_offset(nbytes) - nbytes
+    parts = [tensor]
+    if pad:
+        parts.append(torch.zeros(pad, dtype=torch.uint8, device=tensor.device))
+    return parts + [routing.topk_weights, routing.topk_ids]
+
+
+def split_routed(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int],
+                 topk: int) -> tuple[torch.Tensor, Routing]:
+    """Views of a received routed payload (a flat uint8 tensor of exactly
+    frame_nbytes(dtype, shape, topk) bytes, checked by check_frame)."""
+    nbytes = payload_nbytes(dtype, shape)
+    start = _routing_offset(nbytes)
+    n = shape[0]
+    mid = start + n * topk * ROUTING_WEIGHT_DTYPE.itemsize
+    end = mid + n * topk * ROUTING_ID_DTYPE.itemsize
+    if raw.numel() != end:
+        raise ProtocolError(f"routed payload length: expected {end} (shape {list(shape)} x "
+                            f"{dtype_name(dtype)}, topk {topk}), received {raw.numel()}")
+    tensor = raw[:nbytes].view(dtype).view(tuple(shape))
+    weights = raw[start:mid].view(ROUTING_WEIGHT_DTYPE).view(n, topk)
+    ids = raw[mid:end].view(ROUTING_ID_DTYPE).view(n, topk)
+    return tensor, Routing(weights, ids)
+
+
 def check_step(header: StepHeader, *, num_ubatches: int, max_tokens: int,
                min_step_id: int = 0, context: object = "") -> StepHeader:
     """Validate a StepHeader before its token counts size anything."""
@@ -233,12 +303,15 @@ def check_frame(frame: LayerFrame, *, step_id: int, layer_id: int, ubatch_id: in
                 max_bytes: int, hidden_size: int | None = None,
                 expected_shape_tail: Sequence[int] | None = None,
                 expected_shape: Sequence[int] | None = None,
-                dtype: torch.dtype | None = None, context: object = "") -> torch.dtype:
+                dtype: torch.dtype | None = None, routing_topk: int = 0,
+                context: object = "") -> torch.dtype:
     """Check a received LayerFrame against what the receiver expects next and
     return its torch dtype. Raises ProtocolError naming the field, the expected
     and the received value, then context (anything printable, formatted only
-    on error). nbytes is checked against shape and dtype and against
-    max_bytes, so it is safe to allocate or index with afterwards."""
+    on error). nbytes is checked against shape, dtype and topk and against
+    max_bytes, so it is safe to allocate or index with afterwards. topk must
+    be 0 or routing_topk (a frame may carry routing only where the receiver
+    negotiated it; dense layers of a MoE model carry none)."""
     if frame.step_id != step_id:
         raise _mismatch("LayerFrame.step_id", step_id, frame.step_id, context)
     if frame.layer_id != layer_id:
@@ -263,23 +336,34 @@ def check_frame(frame: LayerFrame, *, step_id: int, layer_id: int, ubatch_id: in
         if len(shape) != len(tail) + 1 or shape[1:] != tail:
             raise _mismatch("LayerFrame.shape", f"[num_tokens, {', '.join(map(str, tail))}]",
                             shape, context)
+    if frame.topk not in (0, routing_topk):
+        raise _mismatch("LayerFrame.topk", "0" if routing_topk == 0 else
+                        f"0 or {routing_topk}", frame.topk, context)
+    if frame.topk and len(shape) != 2:
+        raise _mismatch("LayerFrame.shape", "[num_tokens, hidden_size] (routed frame)",
+                        shape, context)
     # prod() of a hostile shape can be huge; Python ints do not overflow, and
     # the comparison below rejects it before anything is allocated.
-    nbytes = payload_nbytes(received_dtype, shape)
+    nbytes = frame_nbytes(received_dtype, shape, frame.topk)
     if frame.nbytes != nbytes:
-        raise _mismatch("LayerFrame.nbytes", f"{nbytes} (shape {shape} x {frame.dtype})",
-                        frame.nbytes, context)
+        routed = f", topk {frame.topk}" if frame.topk else ""
+        raise _mismatch("LayerFrame.nbytes", f"{nbytes} (shape {shape} x {frame.dtype}"
+                        f"{routed})", frame.nbytes, context)
     if nbytes > max_bytes:
         raise _mismatch("LayerFrame.nbytes", f"at most {max_bytes}", nbytes, context)
     return received_dtype
 
 
 def layer_frame(tensor: torch.Tensor, *, step_id: int, layer_id: int,
-                ubatch_id: int) -> LayerFrame:
-    """The header describing tensor as the payload of (step, layer, ubatch)."""
+                ubatch_id: int, topk: int = 0) -> LayerFrame:
+    """The header describing tensor (and topk experts of routing per row, when
+    topk > 0) as the payload of (step, layer, ubatch)."""
+    shape = list(tensor.shape)
+    nbytes = tensor.numel() * tensor.element_size()
+    if topk:
+        nbytes = frame_nbytes(tensor.dtype, shape, topk)
     return LayerFrame(step_id=step_id, layer_id=layer_id, ubatch_id=ubatch_id,
-                      dtype=dtype_name(tensor.dtype), shape=list(tensor.shape),
-                      nbytes=tensor.numel() * tensor.element_size())
+                      dtype=dtype_name(tensor.dtype), shape=shape, nbytes=nbytes, topk=topk)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:

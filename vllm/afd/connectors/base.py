@@ -14,6 +14,14 @@ post-attention-norm hidden states, and receives the FFN's output:
 The FFN side mirrors it with recv_step / recv_hidden / send_output, naming the
 attention rank it talks to as `peer` (its attention rank; 0 for A:F 1:1).
 
+Routing (AFDConfig.gate_on == "attention"): a connector built with
+routing_topk=k > 0 lets the attention side pass the MoE router's decision with
+the hidden states, send_hidden(layer, u, h, routing=wire.Routing(weights, ids))
+(float32 and int32, [tokens, k]; dense layers pass none), in the same payload.
+The FFN side still gets h from recv_hidden; routing(peer, u) then returns what
+came with it (a wire.Routing, or None), with the same lifetime as h. Both sides
+must agree on k (Hello.routing_topk); routing_topk=0 (default) refuses routing.
+
 Contract shared by every transport (the checks live here, once):
   * Outputs come back in the order hidden states were sent, one in flight per
     micro-batch; each received frame is checked against the expected step,
@@ -47,6 +55,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import msgspec
 import torch
 
 from vllm.afd import wire
@@ -101,10 +110,13 @@ class AFDConnector(ABC):
     def __init__(self, afd_config: AFDConfig, *, hidden_size: int, dtype: torch.dtype,
                  max_tokens: int, rank: int = 0,
                  fingerprint: dict[str, str] | None = None, ffn_rank: int | None = None,
-                 ffn_group: list[int] | None = None) -> None:
+                 ffn_group: list[int] | None = None, routing_topk: int = 0) -> None:
         if hidden_size < 1 or max_tokens < 1:
             raise ValueError(f"AFD connector: hidden_size ({hidden_size}) and max_tokens "
                              f"({max_tokens}) must be >= 1")
+        if not 0 <= routing_topk <= wire.MAX_TOPK:
+            raise ValueError(f"AFD connector: routing_topk ({routing_topk}) is not in 0-"
+                             f"{wire.MAX_TOPK}")
         wire.dtype_name(dtype)  # ValueError for dtypes that cannot travel
         ranks = (afd_config.num_attention_ranks if afd_config.is_attention
                  else afd_config.num_ffn_ranks)
@@ -117,7 +129,9 @@ class AFDConnector(ABC):
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.max_tokens = max_tokens
-        self.max_bytes = max_tokens * hidden_size * dtype.itemsize
+        self.routing_topk = routing_topk
+        # The largest payload: a full micro-batch, with its routing if any.
+        self.max_bytes = wire.frame_nbytes(dtype, [max_tokens, hidden_size], routing_topk)
         self.timeout_s = afd_config.timeout_s
         self.num_ubatches = afd_config.num_ubatches
         self.fingerprint = dict(fingerprint or {})
@@ -149,6 +163,7 @@ class AFDConnector(ABC):
         # FFN side, per peer: the current step and hidden states awaiting output.
         self._peer_steps: dict[int, StepHeader] = {}
         self._awaiting: dict[tuple[int, int], tuple[int, list[int]]] = {}
+        self._routings: dict[tuple[int, int], wire.Routing | None] = {}  # see routing()
         self._announced: dict[int, int] = {}  # peer -> payload length of its last message
         self._views: dict[Any, tuple] = {}  # see _typed_view
 
@@ -245,10 +260,11 @@ class AFDConnector(ABC):
             self._step = header
 
     def send_hidden(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
-                    expect_output: bool = True) -> None:
+                    expect_output: bool = True, routing: wire.Routing | None = None) -> None:
         """Send micro-batch ubatch_id's hidden states for layer_id to the FFN.
         expect_output=False: a member of an FFN group that computes but does
-        not answer (its group's lead does)."""
+        not answer (its group's lead does). routing: the MoE router's top-k
+        weights and ids for these tokens (needs routing_topk > 0)."""
         self._require("attention")
         step = self._current_step(ubatch_id)
         if any(u == ubatch_id for _, u, _ in self._in_flight):
@@ -257,9 +273,16 @@ class AFDConnector(ABC):
         shape = [step.num_tokens[ubatch_id], self.hidden_size]
         self._check_local(h, shape, What("hidden states of layer {} ubatch {}", layer_id,
                                          ubatch_id))
+        payload: torch.Tensor | list[torch.Tensor] = h
+        topk = 0
+        if routing is not None:
+            self._check_routing(routing, shape[0], What("routing of layer {} ubatch {}",
+                                                        layer_id, ubatch_id))
+            topk = self.routing_topk
+            payload = wire.routed_parts(h, routing)
         frame = wire.layer_frame(h, step_id=step.step_id, layer_id=layer_id,
-                                 ubatch_id=ubatch_id)
-        self._send_message(0, frame, h, what=What(
+                                 ubatch_id=ubatch_id, topk=topk)
+        self._send_message(0, frame, payload, what=What(
             "layer {} ubatch {} hidden states of step {}", layer_id, ubatch_id, step.step_id))
         if expect_output:
             self._in_flight.append((layer_id, ubatch_id, shape))
@@ -280,8 +303,8 @@ class AFDConnector(ABC):
                              f"ubatch {ubatch_id}")
         what = What("the output of layer {} ubatch {} of step {}", layer_id, ubatch_id,
                     step.step_id)
-        out = self._recv_tensor(0, what, step_id=step.step_id, layer_id=layer_id,
-                                ubatch_id=ubatch_id, shape=shape)
+        out, _ = self._recv_tensor(0, what, step_id=step.step_id, layer_id=layer_id,
+                                   ubatch_id=ubatch_id, shape=shape)
         self._in_flight.popleft()
         return out
 
@@ -320,10 +343,18 @@ class AFDConnector(ABC):
         shape = [step.num_tokens[ubatch_id], self.hidden_size]
         what = What("the hidden states of layer {} ubatch {} of step {}", layer_id, ubatch_id,
                     step.step_id)
-        h = self._recv_tensor(peer, what, step_id=step.step_id, layer_id=layer_id,
-                              ubatch_id=ubatch_id, shape=shape)
+        h, routing = self._recv_tensor(peer, what, step_id=step.step_id, layer_id=layer_id,
+                                       ubatch_id=ubatch_id, shape=shape,
+                                       routing_topk=self.routing_topk)
         self._awaiting[(peer, ubatch_id)] = (layer_id, shape)
+        self._routings[(peer, ubatch_id)] = routing
         return h
+
+    def routing(self, peer: int, ubatch_id: int) -> wire.Routing | None:
+        """The routing that came with the last recv_hidden of (peer, ubatch), or
+        None (a dense layer, or gate_on "ffn"). Views into transport buffers,
+        valid as long as that recv_hidden's tensor."""
+        return self._routings.get((peer, ubatch_id))
 
     def send_output(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> None:
         """Send the FFN output of (layer, ubatch) back to peer."""
@@ -341,6 +372,7 @@ class AFDConnector(ABC):
         self._send_message(peer, frame, out, what=What(
             "layer {} ubatch {} output of step {}", layer_id, ubatch_id, step.step_id))
         del self._awaiting[(peer, ubatch_id)]
+        self._routings.pop((peer, ubatch_id), None)
 
     # ------------------------------------------------------ transport interface
     @abstractmethod
@@ -349,8 +381,11 @@ class AFDConnector(ABC):
 
     @abstractmethod
     def _transmit(self, peer: int, header: bytes, frame: LayerFrame | None,
-                  payload: torch.Tensor | None, deadline: float) -> None:
-        """Send one encoded message and its payload. Raise LinkClosed/LinkTimeout."""
+                  payload: "torch.Tensor | list[torch.Tensor] | None",
+                  deadline: float) -> None:
+        """Send one encoded message and its payload: one contiguous tensor, or
+        a list of them forming one payload back to back (frame.nbytes in all).
+        Raise LinkClosed/LinkTimeout."""
 
     @abstractmethod
     def _receive(self, peer: int, deadline: float | None,
@@ -362,7 +397,9 @@ class AFDConnector(ABC):
     @abstractmethod
     def _receive_payload(self, peer: int, frame: LayerFrame, dtype: torch.dtype,
                          announced: int, deadline: float) -> torch.Tensor:
-        """The payload of a checked frame, as a tensor of its dtype and shape."""
+        """The payload of a checked frame, as a tensor of dtype and frame.shape
+        (for routed frames the base class passes a copy of the frame with
+        shape [nbytes] and dtype uint8, and splits the bytes itself)."""
 
     @abstractmethod
     def _close_transport(self) -> None:
@@ -387,7 +424,7 @@ class AFDConnector(ABC):
                      num_ffn_ranks=cfg.num_ffn_ranks, num_ubatches=cfg.num_ubatches,
                      hidden_size=self.hidden_size, dtype=wire.dtype_name(self.dtype),
                      max_tokens=self.max_tokens, connector=self.name,
-                     fingerprint=self.fingerprint)
+                     fingerprint=self.fingerprint, routing_topk=self.routing_topk)
 
     def _hello_problems(self, hello: Hello) -> list[str]:
         """Why the FFN must refuse this Hello (empty: accept)."""
@@ -398,7 +435,7 @@ class AFDConnector(ABC):
             problems.append(f"{field}: expected {expected!r}, received {received!r}")
 
         for field in ("protocol_version", "num_attention_ranks", "num_ffn_ranks",
-                      "hidden_size", "dtype", "connector"):
+                      "hidden_size", "dtype", "connector", "routing_topk"):
             if getattr(hello, field) != getattr(mine, field):
                 differ(field, getattr(mine, field), getattr(hello, field))
         if hello.role != "attention":
@@ -490,6 +527,18 @@ class AFDConnector(ABC):
                              f"({len(step.num_tokens)} ubatches)")
         return step
 
+    def _check_routing(self, routing: wire.Routing, rows: int, what: What) -> None:
+        """Our own caller's routing (a mismatch is a bug on this side)."""
+        if self.routing_topk == 0:
+            raise ValueError(f"{self.me}: {what}: this connector was built without routing "
+                             f"(routing_topk=0; AFDConfig.gate_on is 'ffn')")
+        expected = [rows, self.routing_topk]
+        for name, t, dtype in (("topk_weights", routing.topk_weights, wire.ROUTING_WEIGHT_DTYPE),
+                               ("topk_ids", routing.topk_ids, wire.ROUTING_ID_DTYPE)):
+            if list(t.shape) != expected or t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"{self.me}: {what}: {name} must be contiguous {expected} "
+                                 f"{dtype}, got {list(t.shape)} {t.dtype}")
+
     def _check_local(self, t: torch.Tensor, shape: list[int], what: What) -> None:
         """Our own caller's tensors: a mismatch is a bug on this side."""
         if list(t.shape) != shape or t.dtype != self.dtype:
@@ -573,21 +622,32 @@ class AFDConnector(ABC):
         return message
 
     def _recv_tensor(self, peer: int, what: What, *, step_id: int, layer_id: int,
-                     ubatch_id: int, shape: list[int]) -> torch.Tensor:
+                     ubatch_id: int, shape: list[int], routing_topk: int = 0
+                     ) -> "tuple[torch.Tensor, wire.Routing | None]":
+        """The checked tensor of the next frame, and the routing it carries
+        (frames may carry routing of width routing_topk; 0: none allowed)."""
         deadline = time.monotonic() + self.timeout_s
         frame = self._recv_checked(peer, LayerFrame, what, deadline)
+        routing = None
         try:
             dtype = wire.check_frame(frame, step_id=step_id, layer_id=layer_id,
                                      ubatch_id=ubatch_id, max_bytes=self.max_bytes,
                                      expected_shape=shape, dtype=self.dtype,
+                                     routing_topk=routing_topk,
                                      context=What("from {}, {}", self.peer_name(peer), what))
-            tensor = self._receive_payload(peer, frame, dtype, self._announced.get(peer, 0),
-                                           deadline)
+            announced = self._announced.get(peer, 0)
+            if frame.topk:
+                # The transports move bytes; the routed layout is ours to split.
+                raw_frame = msgspec.structs.replace(frame, dtype="uint8", shape=[frame.nbytes])
+                raw = self._receive_payload(peer, raw_frame, torch.uint8, announced, deadline)
+                tensor, routing = wire.split_routed(raw, dtype, frame.shape, frame.topk)
+            else:
+                tensor = self._receive_payload(peer, frame, dtype, announced, deadline)
         except ProtocolError as e:
             raise self._fail(e) from None
         except (LinkTimeout, LinkClosed) as e:
             raise self._link_error(e, self.peer_name(peer), what, "payload") from None
-        return tensor
+        return tensor, routing
 
     _LINK_ERROR_WORDS = {  # action: (timed out ..., while me ...)
         "send": ("sending {what} to", "was sending {what}"),

@@ -153,9 +153,12 @@ class LoopbackConnector(AFDConnector):
             self._incoming = None
 
     def _transmit(self, peer: int, header: bytes, frame: LayerFrame | None,
-                  payload: torch.Tensor | None, deadline: float) -> None:
+                  payload: "torch.Tensor | list[torch.Tensor] | None",
+                  deadline: float) -> None:
         data = None
-        if payload is not None:
+        if isinstance(payload, list):  # a routed payload: its parts, joined (a copy)
+            data = torch.cat([wire.tensor_bytes(p).cpu() for p in payload])
+        elif payload is not None:
             data = wire.tensor_bytes(payload).to("cpu", copy=True)
         self._links[peer].send(header, data)
         self.bytes_sent += len(header) + (0 if data is None else data.numel())

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 import torch
 
+from vllm.afd import wire
 from vllm.afd.connectors.tcp import TcpConnector
 from vllm.afd.wire import HelloAck, LayerFrame, ProtocolError
 from vllm.logger import init_logger
@@ -139,8 +140,13 @@ class NcclConnector(TcpConnector):
         return self._streams[direction]
 
     def _transmit(self, peer: int, header: bytes, frame: LayerFrame | None,
-                  payload: torch.Tensor | None, deadline: float) -> None:
+                  payload: "torch.Tensor | list[torch.Tensor] | None",
+                  deadline: float) -> None:
         super()._transmit(peer, header, frame, None, deadline)
+        if isinstance(payload, list):
+            # A routed payload: one send, matching the receiver's one recv of
+            # frame.nbytes (NCCL pairs calls, not bytes).
+            payload = torch.cat([wire.tensor_bytes(p.to(self.device)) for p in payload])
         if payload is None or payload.numel() == 0:
             return
         comm = self._comms[peer][0]

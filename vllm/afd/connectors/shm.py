@@ -249,15 +249,24 @@ class ShmConnector(TcpConnector):
         return slot
 
     def _transmit(self, peer: int, header: bytes, frame: LayerFrame | None,
-                  payload: torch.Tensor | None, deadline: float) -> None:
+                  payload: "torch.Tensor | list[torch.Tensor] | None",
+                  deadline: float) -> None:
         if payload is not None and frame.nbytes:
             slot = self._slot(peer, frame.ubatch_id, sending=True)
-            if payload.device.type == "cpu":
-                # One memmove: for decode-sized payloads torch's copy_ costs more
-                # in dispatch than in copying.
-                ctypes.memmove(slot.data_ptr(), payload.data_ptr(), frame.nbytes)
-            else:
-                slot[:frame.nbytes].copy_(wire.tensor_bytes(payload))
+            offset = 0
+            # A routed payload comes in parts (hidden states, padding, routing).
+            for part in payload if isinstance(payload, list) else [payload]:
+                nbytes = part.numel() * part.element_size()
+                if offset + nbytes > frame.nbytes:  # a bug on this side, never the peer's
+                    raise ValueError(f"{self.me}: payload parts exceed LayerFrame.nbytes "
+                                     f"({frame.nbytes})")
+                if part.device.type == "cpu":
+                    # One memmove: for decode-sized payloads torch's copy_ costs
+                    # more in dispatch than in copying.
+                    ctypes.memmove(slot.data_ptr() + offset, part.data_ptr(), nbytes)
+                else:
+                    slot[offset:offset + nbytes].copy_(wire.tensor_bytes(part))
+                offset += nbytes
             self.bytes_sent += frame.nbytes
         super()._transmit(peer, header, frame, None, deadline)
 

@@ -86,12 +86,14 @@ class SocketLink:
         self._prefix = memoryview(bytearray(PREFIX.size))
         self._header = memoryview(bytearray(MAX_HEADER_BYTES))
 
-    def send(self, header: bytes, payload: memoryview | None, deadline: float) -> int:
-        """Send one frame; returns the bytes put on the wire."""
-        payload_len = payload.nbytes if payload is not None else 0
-        parts = [PREFIX.pack(MAGIC, len(header), payload_len), header]
-        if payload_len:
-            parts.append(payload)
+    def send(self, header: bytes, payload: "memoryview | list[memoryview] | None",
+             deadline: float) -> int:
+        """Send one frame (payload: one buffer, or several sent back to back as
+        one payload); returns the bytes put on the wire."""
+        views = [] if payload is None else payload if isinstance(payload, list) else [payload]
+        views = [v for v in views if v.nbytes]
+        payload_len = sum(v.nbytes for v in views)
+        parts = [PREFIX.pack(MAGIC, len(header), payload_len), header, *views]
         total = unsent = PREFIX.size + len(header) + payload_len
         while True:
             remaining = deadline - time.monotonic()
@@ -279,9 +281,13 @@ class TcpConnector(AFDConnector):
 
     # ---------------------------------------------------------------- frames
     def _transmit(self, peer: int, header: bytes, frame: LayerFrame | None,
-                  payload: torch.Tensor | None, deadline: float) -> None:
+                  payload: "torch.Tensor | list[torch.Tensor] | None",
+                  deadline: float) -> None:
         buffer = None
-        if payload is not None:
+        if isinstance(payload, list):  # a routed payload: its parts, one sendmsg
+            buffer = [wire.tensor_to_buffer(p if p.device.type == "cpu" else p.cpu())
+                      for p in payload]
+        elif payload is not None:
             buffer = wire.tensor_to_buffer(payload if payload.device.type == "cpu"
                                            else payload.cpu())
         self.bytes_sent += self._links[peer].send(header, buffer, deadline)
