@@ -47,12 +47,10 @@ Contract shared by every transport (the checks live here, once):
     raises AFDConnectionError ("... was closed ...").
 """
 
-import importlib
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import msgspec
@@ -60,8 +58,10 @@ import torch
 
 from vllm.afd import wire
 from vllm.afd.config import AFDConfig
-from vllm.afd.wire import (ErrorFrame, Hello, HelloAck, LayerFrame, ProtocolError,
-                           StepHeader)
+from vllm.afd.connectors.errors import (AFDConnectionError, AFDTimeoutError, LinkClosed,
+                                        LinkTimeout, WaitCallback, What)
+from vllm.afd.connectors.handshake import HandshakeMixin
+from vllm.afd.wire import ErrorFrame, LayerFrame, ProtocolError, StepHeader
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -72,39 +72,7 @@ LOG_INTERVAL_S = 5.0
 FAREWELL_TIMEOUT_S = 1.0
 
 
-class AFDConnectionError(RuntimeError):
-    """The peer is unreachable, closed the connection, or reported an error."""
-
-
-class AFDTimeoutError(AFDConnectionError, TimeoutError):
-    """A peer did not answer within AFDConfig.timeout_s."""
-
-
-class LinkClosed(Exception):
-    """Raised by transports when the peer's end of a link is gone."""
-
-
-class LinkTimeout(Exception):
-    """Raised by transports when a deadline passes."""
-
-
-WaitCallback = Callable[[], None]
-
-
-class What:
-    """A description formatted only when an error or a log line needs it: the
-    per-layer calls pass one of these instead of paying for f-strings."""
-
-    __slots__ = ("fmt", "args")
-
-    def __init__(self, fmt: str, *args: Any) -> None:
-        self.fmt, self.args = fmt, args
-
-    def __str__(self) -> str:
-        return self.fmt.format(*self.args)
-
-
-class AFDConnector(ABC):
+class AFDConnector(HandshakeMixin, ABC):
     name: ClassVar[str]
 
     def __init__(self, afd_config: AFDConfig, *, hidden_size: int, dtype: torch.dtype,
@@ -405,105 +373,6 @@ class AFDConnector(ABC):
     def _close_transport(self) -> None:
         """Release everything _open created; idempotent; must not raise."""
 
-    # Handshake hooks for transports that need more than a stream of messages.
-    def _ack_fields(self, peer: int) -> dict[str, Any]:
-        """FFN side: extra HelloAck fields for peer (e.g. shm segment names)."""
-        return {}
-
-    def _on_ack(self, ack: HelloAck) -> None:
-        """Attention side: act on an accepted HelloAck."""
-
-    def _after_ack(self, peer: int) -> None:
-        """FFN side: called once peer's accepted HelloAck is sent."""
-
-    # -------------------------------------------------------------- handshake
-    def _hello(self) -> Hello:
-        cfg = self.afd_config
-        return Hello(protocol_version=wire.PROTOCOL_VERSION, role=self.role, rank=self.rank,
-                     num_attention_ranks=cfg.num_attention_ranks,
-                     num_ffn_ranks=cfg.num_ffn_ranks, num_ubatches=cfg.num_ubatches,
-                     hidden_size=self.hidden_size, dtype=wire.dtype_name(self.dtype),
-                     max_tokens=self.max_tokens, connector=self.name,
-                     fingerprint=self.fingerprint, routing_topk=self.routing_topk)
-
-    def _hello_problems(self, hello: Hello) -> list[str]:
-        """Why the FFN must refuse this Hello (empty: accept)."""
-        mine = self._hello()
-        problems = []
-
-        def differ(field: str, expected, received) -> None:
-            problems.append(f"{field}: expected {expected!r}, received {received!r}")
-
-        for field in ("protocol_version", "num_attention_ranks", "num_ffn_ranks",
-                      "hidden_size", "dtype", "connector", "routing_topk"):
-            if getattr(hello, field) != getattr(mine, field):
-                differ(field, getattr(mine, field), getattr(hello, field))
-        if hello.role != "attention":
-            differ("role", "attention", hello.role)
-        if not 1 <= hello.num_ubatches <= self.num_ubatches:
-            # The FFN serves any micro-batch count up to its own.
-            differ("num_ubatches", f"1 to {self.num_ubatches}", hello.num_ubatches)
-        if hello.max_tokens > self.max_tokens:
-            differ("max_tokens", f"at most {self.max_tokens}", hello.max_tokens)
-        if hello.rank not in self.expected_peers():
-            differ("rank", f"one of {self.expected_peers()}", hello.rank)
-        elif hello.rank in self._links:
-            problems.append(f"rank: attention rank {hello.rank} is already connected")
-        for key in sorted(set(hello.fingerprint) & set(self.fingerprint)):
-            if hello.fingerprint[key] != self.fingerprint[key]:
-                differ(f"fingerprint[{key!r}]", self.fingerprint[key], hello.fingerprint[key])
-        return problems
-
-    def _handshake_as_attention(self, deadline: float) -> None:
-        """Send Hello on link 0 and act on the FFN's HelloAck."""
-        self._send_message(0, self._hello(), what="the handshake (Hello)", deadline=deadline)
-        what = "the handshake reply (HelloAck)"
-        ack = self._recv_checked(0, HelloAck, what, deadline, on_wait=self._waiter(
-            f"{what} from {self.peer_name(0)}", deadline, connecting=True))
-        if not ack.accepted:
-            raise ProtocolError(f"{self.peer_name(0)} at {self.address} refused {self.me}: "
-                                f"{ack.reason}")
-        if ack.protocol_version != wire.PROTOCOL_VERSION:
-            raise ProtocolError(f"HelloAck.protocol_version: expected "
-                                f"{wire.PROTOCOL_VERSION}, received {ack.protocol_version}")
-        if ack.rank != self.ffn_rank or (ack.group and self.ffn_rank not in ack.group):
-            raise ProtocolError(f"HelloAck from {self.address}: expected FFN rank "
-                                f"{self.ffn_rank}, received rank {ack.rank} (group {ack.group})")
-        self.ffn_group = list(ack.group) or [self.ffn_rank]
-        self._on_ack(ack)
-
-    def _handshake_as_ffn(self, link: Any, source: str, deadline: float) -> int | None:
-        """Run the handshake on a new link: its peer id when accepted, None when
-        the other end is not an AFD peer (dropped with a warning). A real peer
-        with a mismatched configuration raises ProtocolError here (after
-        telling it why), since serving it would compute garbage."""
-        key = -1 - len(self._links)  # temporary slot until the Hello names the rank
-        self._links[key] = link
-        try:
-            hello = self._recv_checked(key, Hello, "the handshake (Hello)", deadline,
-                                       peer_label=f"connection from {source}")
-        except (ProtocolError, AFDConnectionError) as e:
-            # A port scanner or a stray client must not take the server down.
-            logger.warning("%s: dropping connection from %s: %s", self.me, source, e)
-            self._links.pop(key)
-            self._failure = None
-            return None
-        problems = self._hello_problems(hello)
-        if problems:
-            reason = "; ".join(problems)
-            self._send_message(key, HelloAck(accepted=False, reason=reason, rank=self.rank),
-                               what="the handshake refusal", deadline=deadline)
-            # The link stays in self._links: connect()'s cleanup closes it.
-            raise ProtocolError(f"{self.me} refused attention rank {hello.rank} "
-                                f"({source}): {reason}")
-        peer = hello.rank
-        self._links[peer] = self._links.pop(key)
-        ack = HelloAck(accepted=True, rank=self.rank, group=self.ffn_group,
-                       **self._ack_fields(peer))
-        self._send_message(peer, ack, what="the handshake reply", deadline=deadline)
-        self._after_ack(peer)
-        return peer
-
     # ------------------------------------------------------------- internals
     def _require(self, role: str, peer: int | None = None) -> None:
         if self.role != role:
@@ -708,46 +577,11 @@ class AFDConnector(ABC):
                              type(message).__name__, self.peer_name(peer), e)
 
 
-# ------------------------------------------------------------------- registry
-_CONNECTORS: dict[str, str] = {
-    "shm": "vllm.afd.connectors.shm:ShmConnector",
-    "tcp": "vllm.afd.connectors.tcp:TcpConnector",
-    "loopback": "vllm.afd.connectors.loopback:LoopbackConnector",
-    "nccl": "vllm.afd.connectors.nccl:NcclConnector",
-}
+# The registry needs AFDConnector; importing it last keeps
+# `from vllm.afd.connectors.base import create_connector` working.
+from vllm.afd.connectors.registry import (  # noqa: E402
+    connector_class, connector_names, create_connector, register_connector)
 
-
-def register_connector(name: str, target: str, *, replace: bool = False) -> None:
-    """Register a connector class as "package.module:ClassName" (imported on
-    first use, so registering costs nothing)."""
-    module, _, cls = target.partition(":")
-    if not module or not cls.isidentifier():
-        raise ValueError(f"register_connector({name!r}): target must look like "
-                         f"'package.module:ClassName', got {target!r}")
-    if name in _CONNECTORS and _CONNECTORS[name] != target and not replace:
-        raise ValueError(f"AFD connector {name!r} is already registered as "
-                         f"{_CONNECTORS[name]!r}; pass replace=True to override it")
-    _CONNECTORS[name] = target
-
-
-def connector_names() -> list[str]:
-    return sorted(_CONNECTORS)
-
-
-def connector_class(name: str) -> type[AFDConnector]:
-    if name not in _CONNECTORS:
-        raise ValueError(f"unknown AFD connector {name!r}; valid names: "
-                         f"{', '.join(connector_names())}")
-    module, _, cls_name = _CONNECTORS[name].partition(":")
-    cls = getattr(importlib.import_module(module), cls_name)
-    if not (isinstance(cls, type) and issubclass(cls, AFDConnector)):
-        raise TypeError(f"AFD connector {name!r}: {_CONNECTORS[name]} is not an "
-                        f"AFDConnector subclass")
-    return cls
-
-
-def create_connector(afd_config: AFDConfig, *, name: str | None = None,
-                     **kwargs: Any) -> AFDConnector:
-    """The connector named by afd_config.connector (or name), constructed with
-    kwargs (hidden_size, dtype, max_tokens, rank, ...). Not connected yet."""
-    return connector_class(name or afd_config.connector)(afd_config, **kwargs)
+__all__ = ["AFDConnectionError", "AFDConnector", "AFDTimeoutError", "LinkClosed",
+           "LinkTimeout", "What", "WaitCallback", "LOG_INTERVAL_S", "connector_class",
+           "connector_names", "create_connector", "register_connector"]
