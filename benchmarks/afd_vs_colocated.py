@@ -47,6 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 from servers import Server, free_port  # noqa: E402
 
+from vllm.afd.stats import LinkStats  # noqa: E402
+
 NAME = "afd_vs_colocated"
 PLAIN_CORES, ATTENTION_CORES, FFN_CORES = "0-1", "0", "1"
 FFN_UBATCHES = 3  # the FFN server accepts attention peers with any m <= this
@@ -281,8 +283,8 @@ def decode_runs(runs: list[dict]) -> list[dict]:
     statistics), so one disturbed prefill run spoils no decode figure."""
     ref = lower_median(runs, lambda r: r["t_1"])
     return [{"decode_s": r["t_n"] - ref["t_1"],
-             "attention": delta(r["attention_n"], ref["attention_1"]),
-             "ffn": delta(r["ffn_n"], ref["ffn_1"])} for r in runs]
+             "attention": LinkStats.delta(r["attention_n"], ref["attention_1"]),
+             "ffn": LinkStats.delta(r["ffn_n"], ref["ffn_1"])} for r in runs]
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -450,10 +452,6 @@ def ffn_stats(url: str | None) -> dict:
         return json.loads(r.read())["workers"][0]["stats"]
 
 
-def delta(after: dict, before: dict) -> dict:
-    return {k: after[k] - before.get(k, 0) for k in after}
-
-
 def timed_generate(llm, params, b: int, link, ffn_url) -> tuple[float, dict, dict]:
     link0, ffn0 = link(), ffn_stats(ffn_url)
     t0 = time.perf_counter()
@@ -462,7 +460,8 @@ def timed_generate(llm, params, b: int, link, ffn_url) -> tuple[float, dict, dic
     got = {len(o.outputs[0].token_ids) for o in outs}
     if got != {params.max_tokens}:
         raise RuntimeError(f"expected {params.max_tokens} tokens per request, got {got}")
-    return elapsed, delta(link(), link0), delta(ffn_stats(ffn_url), ffn0)
+    return (elapsed, LinkStats.delta(link(), link0),
+            LinkStats.delta(ffn_stats(ffn_url), ffn0))
 
 
 def measure_batch(llm, b: int, n: int, repeats: int, link, ffn_url) -> list[dict]:

@@ -134,8 +134,10 @@ def connect_pair(kind: str, ffn_first: bool = True, delay: float = 0.0, **kwargs
     return attn, ffn
 
 
-def ffn_serve(ffn, num_layers: int) -> int:
-    """The FFN loop: out = h * 2 + layer_id, until SHUTDOWN; returns steps served."""
+def ffn_serve(ffn, num_layers: int, seen: list | None = None) -> int:
+    """The FFN loop: out = h * 2 + layer_id, plus sum(weights * ids) when the
+    frame carried routing, until SHUTDOWN; returns steps served. With `seen`,
+    records (layer, ubatch, routing copy or None) of every call."""
     steps = 0
     while True:
         step = ffn.recv_step(0)
@@ -144,7 +146,14 @@ def ffn_serve(ffn, num_layers: int) -> int:
         for layer in range(num_layers):
             for ubatch in range(len(step.num_tokens)):
                 h = ffn.recv_hidden(0, layer, ubatch)
-                ffn.send_output(0, layer, ubatch, h * 2 + layer)
+                r = ffn.routing(0, ubatch)
+                if seen is not None:
+                    seen.append((layer, ubatch, None if r is None else
+                                 (r.topk_weights.clone(), r.topk_ids.clone())))
+                out = h * 2 + layer
+                if r is not None:
+                    out = out + (r.topk_weights * r.topk_ids).sum(1, keepdim=True).to(h.dtype)
+                ffn.send_output(0, layer, ubatch, out)
         steps += 1
 
 
@@ -549,27 +558,6 @@ def routing_for(n: int, seed: int) -> wire.Routing:
                         torch.randint(0, 8, (n, TOPK), generator=g, dtype=torch.int32))
 
 
-def ffn_serve_routed(ffn, num_layers: int, seen: list) -> int:
-    """Like ffn_serve, but the output also depends on the routing received
-    (out = h * 2 + layer + sum(weights * ids)); even layers are MoE (routed)."""
-    steps = 0
-    while True:
-        step = ffn.recv_step(0)
-        if step.is_shutdown or step.is_goodbye:
-            return steps
-        for layer in range(num_layers):
-            for ubatch in range(len(step.num_tokens)):
-                h = ffn.recv_hidden(0, layer, ubatch)
-                r = ffn.routing(0, ubatch)
-                seen.append((layer, ubatch, None if r is None else
-                             (r.topk_weights.clone(), r.topk_ids.clone())))
-                out = h * 2 + layer
-                if r is not None:
-                    out = out + (r.topk_weights * r.topk_ids).sum(1, keepdim=True).to(h.dtype)
-                ffn.send_output(0, layer, ubatch, out)
-        steps += 1
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", KINDS)
 def test_routing_round_trip(kind, dtype):
@@ -580,7 +568,7 @@ def test_routing_round_trip(kind, dtype):
     attn, ffn = connect_pair(kind, num_ubatches=2, dtype=dtype, hidden_size=hidden,
                              routing_topk=TOPK)
     seen: list = []
-    server = Background(ffn_serve_routed, ffn, num_layers, seen)
+    server = Background(ffn_serve, ffn, num_layers, seen)
     g = torch.Generator().manual_seed(1)
     sent = []
     try:

@@ -58,12 +58,13 @@ def plain_result(model: Path, tmp_path: Path, compile_model: bool = False,
     return _plain_cache[key]
 
 
-def ffn_server(model: Path, afd_config: dict, log: Path) -> Server:
+def ffn_server(model: Path, afd_config: dict, log: Path, *, extra: list[str] = (),
+               cpus: str = "1") -> Server:
     args = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
             "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
-            "--afd-role", "ffn", "--afd-config", json.dumps(afd_config)]
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "1"}
-    return Server(str(model), args, log_path=log, env=env, name="FFN server")
+            "--afd-role", "ffn", "--afd-config", json.dumps(afd_config), *extra]
+    return Server(str(model), args, log_path=log, env={"VLLM_CPU_OMP_THREADS_BIND": cpus},
+                  name=f"FFN server {afd_config.get('ffn_rank', 0)}")
 
 
 def assert_same(plain: dict, afd: dict) -> None:

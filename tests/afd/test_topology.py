@@ -28,7 +28,7 @@ import torch
 
 from servers import Server, free_port
 from oracle import PROMPTS
-from test_oracle import ORACLE, assert_same, plain_result
+from test_oracle import ORACLE, assert_same, ffn_server, plain_result
 
 from vllm.afd.batcher import LayerBatcher
 from vllm.afd.config import AFDConfig
@@ -36,15 +36,6 @@ from vllm.afd.topology import AFDLayoutError, ffn_placement
 from vllm.afd.wire import Routing
 
 MODEL = "tiny-qwen3-moe"
-
-
-def start_ffn(model: Path, afd_config: dict, log: Path, *, extra: list[str] = (),
-              cpus: str = "1") -> Server:
-    args = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
-            "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
-            "--afd-role", "ffn", "--afd-config", json.dumps(afd_config), *extra]
-    return Server(str(model), args, log_path=log, env={"VLLM_CPU_OMP_THREADS_BIND": cpus},
-                  name=f"FFN server {afd_config.get('ffn_rank', 0)}")
 
 
 def start_attention_servers(model: Path, tmp_path: Path, configs: list[dict]) -> list:
@@ -86,7 +77,7 @@ def check_all(models_dir, tmp_path, results):
 def test_two_attention_servers_one_ffn(models_dir, tmp_path):
     base = {"connector": "shm", "port": free_port(), "timeout_s": 120,
             "num_attention_ranks": 2}
-    with start_ffn(models_dir / MODEL, base, tmp_path / "ffn.log") as ffn:
+    with ffn_server(models_dir / MODEL, base, tmp_path / "ffn.log") as ffn:
         ffn.wait_ready()
         results = run_attention_servers(models_dir / MODEL, tmp_path,
                                         [{**base, "attention_rank": a} for a in (0, 1)])
@@ -120,8 +111,8 @@ def test_three_attention_two_ffn_uneven_with_data_parallel(models_dir, tmp_path)
         "--afd-role", "attention", "--afd-config", json.dumps(base)],
         log_path=tmp_path / "attention-dp.log",
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|0"}, name="attention server (DP=2)")
-    with start_ffn(model, {**base, "ffn_rank": 0}, tmp_path / "ffn0.log", cpus="1") as ffn0, \
-         start_ffn(model, {**base, "ffn_rank": 1}, tmp_path / "ffn1.log", cpus="0") as ffn1, \
+    with ffn_server(model, {**base, "ffn_rank": 0}, tmp_path / "ffn0.log", cpus="1") as ffn0, \
+         ffn_server(model, {**base, "ffn_rank": 1}, tmp_path / "ffn1.log", cpus="0") as ffn1, \
          dp_server:
         ffn0.wait_ready()
         ffn1.wait_ready()
@@ -155,7 +146,7 @@ def test_one_attention_two_ffn_ranks(models_dir, tmp_path, parallel):
     extra = ["--tensor-parallel-size", "2"]
     if parallel == "ep":
         extra.append("--enable-expert-parallel")
-    with start_ffn(models_dir / MODEL, base, tmp_path / "ffn.log", extra=extra,
+    with ffn_server(models_dir / MODEL, base, tmp_path / "ffn.log", extra=extra,
                    cpus="0|1") as ffn:
         ffn.wait_ready()
         results = run_attention_servers(models_dir / MODEL, tmp_path, [base])

@@ -122,7 +122,8 @@ class FFNLoop:
                     self.placement.rank, self.placement.group, list(self.layers), peers)
         self._ctx = create_forward_context(None, self.vllm_config)
         if len(peers) == 1:
-            self._serve_peer(peers[0], self._run_mlp)
+            self._serve_peer(peers[0], lambda layer, h, peer, routing:
+                             self._run_mlp(layer, h, routing))
             return
         batcher = LayerBatcher(self._run_mlp)
         errors: list[BaseException] = []
@@ -178,8 +179,7 @@ class FFNLoop:
                         h = conn.recv_hidden(peer, layer_idx, u)
                         routing = self._routing_of(conn, peer, layer_idx, u)
                         t1 = now()
-                        out = compute(layer_idx, h, routing) if batcher is None else compute(
-                            layer_idx, h, peer, routing)
+                        out = compute(layer_idx, h, peer, routing)
                         routed += routing is not None
                         t2 = now()
                         if answer:

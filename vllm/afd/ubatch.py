@@ -37,6 +37,7 @@ import vllm.forward_context as forward_context_module
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import create_forward_context, get_forward_context
 from vllm.logger import init_logger
+from vllm.sequence import IntermediateTensors
 from vllm.v1.worker.ubatch_utils import UBatchSlice
 
 logger = init_logger(__name__)
@@ -169,8 +170,8 @@ def _slice_tokens(x: Any, token_slice: slice, num_tokens: int) -> Any:
         if x.ndim >= 1 and x.shape[0] == num_tokens:
             return x[token_slice]
         return x
-    if x is not None and hasattr(x, "__getitem__") and hasattr(x, "tensors"):
-        return x[token_slice]  # IntermediateTensors
+    if isinstance(x, IntermediateTensors):
+        return x[token_slice]
     return x
 
 
