@@ -86,6 +86,38 @@ class Server:
         raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s; log tail:\n"
                            f"{self.log_tail()}")
 
+    def wait_http(self, timeout: float = 240.0) -> float:
+        """Poll /health until the HTTP server answers at all (any status, e.g.
+        503 while an AFD attention server has no FFN yet); return the seconds."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before "
+                                   f"serving HTTP; log tail:\n{self.log_tail()}")
+            try:
+                http_get(self.url + "/health", timeout=2)
+                return time.monotonic() - t0
+            except (OSError, urllib.error.URLError):
+                time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not serving HTTP after {timeout:.0f}s; log tail:\n"
+                           f"{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (a crash: no goodbye, no cleanup)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def group_alive(self) -> bool:
+        """Whether any process of this server's group (children too) is left."""
+        if self.proc is None:
+            return False
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM the whole process group, SIGKILL after timeout; return the exit code."""
         if self.proc is None or self.proc.poll() is not None:

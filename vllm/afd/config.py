@@ -160,7 +160,14 @@ class AFDConfig:
             values["role"] = afd_role
         if not values:
             return None
-        return cls(**values)
+        config = cls(**values)
+        if config.is_attention:
+            # Before the engine processes start: they inherit where to publish
+            # the link's state for this process's /health (vllm.afd.link_status).
+            from vllm.afd.link_status import prepare_status_dir
+
+            prepare_status_dir()
+        return config
 
 
 def _checked_keys(values: Any, source: str) -> dict[str, Any]:

@@ -15,11 +15,15 @@ A failure is kept and reported through status(); the engine turns it into an
 unhealthy /health and a log line naming the peer, layer and error.
 """
 
+import os
 import threading
+import time
 
 import torch
 
 from vllm.afd.batcher import LayerBatcher
+from vllm.afd.link import _error_kind
+from vllm.afd.metrics import LATENCY_BUCKETS_S, TOKEN_BUCKETS, Histogram
 from vllm.afd.connectors.base import AFDConnector, AFDTimeoutError, create_connector
 from vllm.afd.model_split import ffn_layers
 from vllm.afd.routing import call_with_routing
@@ -56,6 +60,16 @@ class FFNLoop:
         self.compute = LinkStats()  # mlp time, shared by all peers' calls
         self.ready = threading.Event()
         self._ctx = None
+        # For /metrics (vllm.afd.metrics): totals over every session so far.
+        self.compute_hist = Histogram(LATENCY_BUCKETS_S)
+        self.tokens_hist = Histogram(TOKEN_BUCKETS)
+        self.sessions = 0  # times this rank started serving its attention peers
+        self.errors: dict[str, int] = {}
+        self._bytes_closed = [0, 0]  # sent, received by connectors already closed
+        self._refusals_closed = [0, 0]  # auth, handshake failures of closed connectors
+        self.serving: list[int] = []  # the attention ranks being served now
+        self.since = time.time()
+        self.fingerprint = _fingerprint(vllm_config)
 
     # --- lifecycle -------------------------------------------------------
     def start(self) -> None:
@@ -83,8 +97,29 @@ class FFNLoop:
                 "ready": self.ready.is_set(), "error": self.error,
                 "steps": stats.steps, "stats": stats.as_dict(),
                 "rank": self.placement.rank, "group": self.placement.group,
-                "last_peer_error": self.last_error,
-                "layers": list(self.layers)}
+                "serving": list(self.serving), "last_peer_error": self.last_error,
+                "layers": list(self.layers), "link": self.document()}
+
+    def document(self) -> dict:
+        """State and counters of this FFN rank's link, for /metrics."""
+        conn = self.connector
+        sent, received = self._bytes_closed
+        auth, handshake = self._refusals_closed
+        if conn is not None:
+            sent, received = sent + conn.bytes_sent, received + conn.bytes_received
+            auth += getattr(conn, "auth_failures", 0)
+            handshake += getattr(conn, "handshake_failures", 0)
+        stats = self.stats()
+        return {"role": "ffn", "rank": self.placement.rank,
+                "peer": ",".join(f"attention rank {p}" for p in self.serving) or "-",
+                "state": "ready" if self.serving else "waiting", "since": self.since,
+                "last_error": self.last_error, "pid": os.getpid(),
+                "reconnects": max(0, self.sessions - 1), "errors": dict(self.errors),
+                "auth_failures": auth, "handshake_failures": handshake,
+                "bytes_sent": sent, "bytes_received": received, "steps": stats.steps,
+                "layer_calls": stats.layer_calls, "tokens": stats.tokens,
+                "ffn_layer_compute_seconds": self.compute_hist.as_dict(),
+                "ffn_tokens_per_layer_call": self.tokens_hist.as_dict()}
 
     # --- the loop --------------------------------------------------------
     def _run(self) -> None:
@@ -94,7 +129,8 @@ class FFNLoop:
                 self.connector = create_connector(
                     self.afd_config, hidden_size=self.hidden_size, dtype=self.dtype,
                     max_tokens=self.max_tokens, rank=self.placement.rank,
-                    ffn_group=self.placement.group, routing_topk=self.routing_topk)
+                    ffn_group=self.placement.group, routing_topk=self.routing_topk,
+                    fingerprint=self.fingerprint)
             except Exception as e:  # a configuration error: nothing to retry
                 self.error = f"{type(e).__name__}: {e}"
                 logger.error("AFD FFN loop cannot start: %s", self.error)
@@ -102,22 +138,37 @@ class FFNLoop:
             try:
                 self._serve_peers()
             except AFDTimeoutError:
-                continue  # nobody connected within timeout_s: keep waiting
+                if self.serving:  # a peer stopped answering mid-step
+                    self._peer_failed(AFDTimeoutError("attention peer timed out"))
+                continue  # otherwise nobody connected within timeout_s: keep waiting
             except Exception as e:
                 if self.stop_event.is_set():
                     break
                 # A lost or misbehaving peer ends its conversation, not the server.
-                self.last_error = f"{type(e).__name__}: {e}"
-                logger.warning("AFD FFN: attention peer lost: %s; waiting for the next one",
-                               self.last_error)
+                self._peer_failed(e)
             finally:
-                if self.connector is not None:
-                    self.connector.close()
-                    self.connector = None
+                self.serving = []
+                self.since = time.time()
+                conn, self.connector = self.connector, None
+                if conn is not None:
+                    conn.close()
+                    self._bytes_closed[0] += conn.bytes_sent
+                    self._bytes_closed[1] += conn.bytes_received
+                    self._refusals_closed[0] += getattr(conn, "auth_failures", 0)
+                    self._refusals_closed[1] += getattr(conn, "handshake_failures", 0)
+
+    def _peer_failed(self, error: BaseException) -> None:
+        self.last_error = f"{type(error).__name__}: {error}"
+        kind = _error_kind(error)
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+        logger.warning("AFD FFN rank %d: attention peer(s) %s lost: %s; waiting for the next "
+                       "one", self.placement.rank, self.serving, self.last_error)
 
     def _serve_peers(self) -> None:
         self.connector.accept()
         peers = self.connector.connected_peers
+        self.serving, self.since = list(peers), time.time()
+        self.sessions += 1
         logger.info("AFD FFN rank %d (group %s) serving layers %s for attention rank(s) %s",
                     self.placement.rank, self.placement.group, list(self.layers), peers)
         self._ctx = create_forward_context(None, self.vllm_config)
@@ -150,7 +201,10 @@ class FFNLoop:
         t0 = now()
         with override_forward_context(self._ctx):
             out = call_with_routing(self.layers[layer_idx], h, routing)
-        self.compute.compute_s += now() - t0
+        elapsed = now() - t0
+        self.compute.compute_s += elapsed
+        self.compute_hist.observe(elapsed)
+        self.tokens_hist.observe(h.shape[0])
         return out
 
     @torch.inference_mode()
@@ -209,3 +263,11 @@ class FFNLoop:
             conn.report_error(str(error))
             raise error
         return routing
+
+
+def _fingerprint(vllm_config) -> dict[str, str]:
+    try:
+        from vllm.afd.fingerprint import model_fingerprint
+    except ImportError:  # not there yet
+        return {}
+    return model_fingerprint(vllm_config)

@@ -124,6 +124,10 @@ def build_model(vllm_config, construct):
     if afd.is_attention:
         model = construct()
         _swap_in_remote_ffn(model, vllm_config)
+        from vllm.afd import link
+
+        if link._link is not None:  # every remote layer registered: connect now
+            link._link.start()
     else:
         from vllm.model_executor.layers import rotary_embedding
 

@@ -37,8 +37,11 @@ def build_app(engine):
 
     import vllm.afd
     from vllm import __version__ as vllm_version
+    from vllm.afd import metrics
 
     app = FastAPI(title="vllm-afd FFN server")
+    # vllm_afd_* families on /metrics, read from the workers at each scrape.
+    metrics.register("ffn-links", lambda: [w["link"] for w in engine.status() if "link" in w])
 
     @app.get("/health")
     def health():
