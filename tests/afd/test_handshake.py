@@ -1,0 +1,238 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""The handshake (protocol 3): model fingerprints, the shared secret and its
+challenge-response, and where an FFN server may listen. Real sockets; rogue
+peers are raw sockets speaking the wire format by hand."""
+
+import logging
+import secrets
+import shutil
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_connectors import (HIDDEN, MAX_TOKENS, Background, free_port, raw_frame,
+                             serve_one_layer)
+from transformers import AutoConfig
+
+from vllm.afd import auth, fingerprint, wire
+from vllm.afd.config import AFDConfig
+from vllm.afd.connectors import (AFDConnectionError, ProtocolError, create_connector)
+from vllm.afd.connectors.handshake import REFUSALS_KEPT
+from vllm.afd.connectors.tcp import PREFIX
+from vllm.afd.wire import AuthChallenge, AuthProof, Hello, HelloAck
+
+FIX = "set VLLM_AFD_TOKEN (or AFDConfig.token_file) to the same value on both roles"
+
+
+@pytest.fixture(autouse=True)
+def _no_token_in_env(monkeypatch):
+    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+
+
+def connector(role: str, port: int, *, kind: str = "tcp", token: str | None = None,
+              tmp_path=None, fingerprint: dict | None = None, timeout_s: float = 10,
+              **config):
+    token_file = None
+    if token is not None:
+        token_file = tmp_path / f"{role}-{secrets.token_hex(4)}.token"
+        token_file.write_text(f"  {token}\n")  # surrounding whitespace is ignored
+    cfg = AFDConfig(role=role, connector=kind, port=port, timeout_s=timeout_s,
+                    token_file=None if token_file is None else str(token_file), **config)
+    return create_connector(cfg, hidden_size=HIDDEN, dtype=torch.float32,
+                            max_tokens=MAX_TOKENS, fingerprint=fingerprint)
+
+
+@contextmanager
+def captured_logs():
+    """Records of the handshake's logger (the source tree may leave vllm's
+    logging unconfigured, so caplog cannot be relied on)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    log = logging.getLogger("vllm.afd.connectors.handshake")
+    old_level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        yield records
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+
+
+def wait_until(condition, timeout: float = 10) -> float:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, "condition not met in time"
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+# ------------------------------------------------------------------ fingerprint
+def model_config_of(path, dtype=torch.bfloat16):
+    """What model_fingerprint reads of a VllmConfig (test_config.py checks the
+    real one has these)."""
+    hf = AutoConfig.from_pretrained(path)
+    return SimpleNamespace(model_config=SimpleNamespace(
+        model=str(path), hf_config=hf, hf_text_config=hf, dtype=dtype, quantization=None,
+        revision=None))
+
+
+@pytest.fixture(scope="module")
+def deepseek(models_dir):
+    return models_dir / "tiny-deepseek-v3"
+
+
+def test_fingerprint_items(deepseek, models_dir):
+    fp = fingerprint.model_fingerprint(model_config_of(deepseek))
+    assert fp == fingerprint.model_fingerprint(model_config_of(deepseek))  # deterministic
+    expected = {"architecture": "DeepseekV3ForCausalLM", "hidden_size": "128",
+                "num_hidden_layers": "3", "dtype": "bfloat16", "n_routed_experts": "4",
+                "num_experts_per_tok": "2", "n_shared_experts": "1",
+                "first_k_dense_replace": "1", "moe_intermediate_size": "64",
+                "quantization": "none"}
+    assert {k: fp[k] for k in expected} == expected
+    assert len(fp["weights"]) == 32 and len(fp["series"]) == 16
+    assert all(isinstance(v, str) and len(v) <= 64 for v in fp.values())
+    assert len(fp) <= wire.MAX_FINGERPRINT_ITEMS
+    other = fingerprint.model_fingerprint(model_config_of(models_dir / "tiny-qwen3-moe"))
+    assert other["architecture"] == "Qwen3MoeForCausalLM" and other["num_experts"] == "8"
+    assert other["weights"] != fp["weights"]
+
+
+@pytest.mark.parametrize("full_hash_bytes", [fingerprint.FULL_HASH_BYTES, 0],
+                         ids=["whole-data", "sampled"])
+def test_weights_digest_tells_checkpoints_apart(deepseek, tmp_path, monkeypatch,
+                                                full_hash_bytes):
+    monkeypatch.setattr(fingerprint, "FULL_HASH_BYTES", full_hash_bytes)
+    fingerprint._digest_files.cache_clear()
+    original = fingerprint.weights_digest(str(deepseek))
+    tensors = load_file(deepseek / "model.safetensors")
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    # Same tensors, other file metadata: same weights, same digest.
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt", "note": "x"})
+    assert fingerprint.weights_digest(str(copy)) == original
+    # Same names, dtypes and shapes, other values (another training run).
+    retrained = tmp_path / "retrained"
+    retrained.mkdir()
+    g = torch.Generator().manual_seed(1)
+    save_file({k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in tensors.items()},
+              retrained / "model.safetensors")
+    assert fingerprint.weights_digest(str(retrained)) not in (original, "unavailable")
+    # A renamed tensor changes the header digest.
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    name = sorted(tensors)[0]
+    save_file({(name + "_x" if k == name else k): v for k, v in tensors.items()},
+              renamed / "model.safetensors")
+    assert fingerprint.weights_digest(str(renamed)) != original
+
+
+def test_weights_unavailable(tmp_path):
+    assert fingerprint.weights_digest(str(tmp_path)) == "unavailable"  # no safetensors
+    assert fingerprint.weights_digest("no-such-org/no-such-model") == "unavailable"
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)  # not safetensors
+    assert fingerprint.weights_digest(str(tmp_path)) == "unavailable"
+
+
+ITEMS = ["architecture", "model_type", "hidden_size", "num_hidden_layers", "dtype",
+         "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+         "first_k_dense_replace", "moe_intermediate_size", "quantization", "weights",
+         "series"]
+
+
+@pytest.mark.parametrize("item", ITEMS)
+def test_mismatched_item_is_named_and_both_sides_fail_fast(deepseek, item):
+    fp = fingerprint.model_fingerprint(model_config_of(deepseek))
+    assert item in fp
+    port = free_port()
+    ffn = connector("ffn", port, fingerprint=fp)
+    attn = connector("attention", port, fingerprint={**fp, item: fp[item] + "-other"})
+    with captured_logs() as logs:
+        waiter = Background(ffn.connect)
+        try:
+            start = time.monotonic()
+            with pytest.raises(ProtocolError) as e:
+                attn.connect()
+            attention_failed = time.monotonic() - start
+            ffn_failed = attention_failed + wait_until(lambda: ffn.refusals)
+            expected = f"fingerprint[{item!r}]: expected {fp[item]!r}, received " \
+                       f"{fp[item] + '-other'!r}"
+            assert str(e.value).endswith(f"refused AFD attention rank 0: {expected}")
+            assert attention_failed < 10 and ffn_failed < 10
+            assert waiter.is_alive()  # the FFN still accepts
+        finally:
+            attn.close()
+            ffn.close()
+    errors = [r.getMessage() for r in logs if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and errors[0].startswith("AFD ffn rank 0 refused attention "
+                                                     "rank 0 (127.0.0.1:")
+    assert errors[0].endswith(expected)
+
+
+def test_different_checkpoints_are_refused_then_the_right_one_served(deepseek, models_dir,
+                                                                     tmp_path):
+    """End to end from the checkpoints: another model (architecture, shapes...)
+    and the same model with other weights are refused; the same one served."""
+    fp = fingerprint.model_fingerprint(model_config_of(deepseek))
+    qwen = fingerprint.model_fingerprint(model_config_of(models_dir / "tiny-qwen3-moe"))
+    retrained = tmp_path / "retrained"
+    shutil.copytree(deepseek, retrained)
+    tensors = load_file(retrained / "model.safetensors")
+    save_file({k: v + 1 for k, v in tensors.items()}, retrained / "model.safetensors")
+    other_weights = fingerprint.model_fingerprint(model_config_of(retrained))
+    port = free_port()
+    ffn = connector("ffn", port, fingerprint=fp)
+    waiter = Background(ffn.connect)
+    peers = [connector("attention", port, fingerprint=f) for f in (qwen, other_weights, fp)]
+    try:
+        with pytest.raises(ProtocolError) as e:
+            peers[0].connect()
+        for needle in ("fingerprint['architecture']: expected 'DeepseekV3ForCausalLM', "
+                       "received 'Qwen3MoeForCausalLM'", "fingerprint['weights']",
+                       "fingerprint['num_hidden_layers']: expected '3', received '4'"):
+            assert needle in str(e.value)
+        with pytest.raises(ProtocolError) as e:
+            peers[1].connect()
+        assert str(e.value).endswith(f"fingerprint['weights']: expected {fp['weights']!r}, "
+                                     f"received {other_weights['weights']!r}")
+        serve_one_layer(waiter, ffn, peers[2])
+        assert ffn.handshake_failures == 2 and len(ffn.refusals) == 2
+    finally:
+        for c in (*peers, ffn):
+            c.close()
+
+
+def test_unavailable_item_is_no_mismatch():
+    port = free_port()
+    ffn = connector("ffn", port, fingerprint={"weights": "unavailable", "hidden_size": "64"})
+    attn = connector("attention", port, fingerprint={"weights": "abc", "hidden_size": "64"})
+    serve_one_layer(Background(ffn.connect), ffn, attn)
+    attn.close()
+    ffn.close()
+
+
+def test_refusals_are_bounded():
+    port = free_port()
+    ffn = connector("ffn", port, fingerprint={"model": "a"})
+    waiter = Background(ffn.connect)
+    try:
+        for i in range(REFUSALS_KEPT + 3):
+            bad = connector("attention", port, fingerprint={"model": f"b{i}"})
+            with pytest.raises(ProtocolError):
+                bad.connect()
+            bad.close()
+        assert ffn.handshake_failures == REFUSALS_KEPT + 3
+        assert len(ffn.refusals) == REFUSALS_KEPT
+        assert ffn.last_refusal.endswith(f"received 'b{REFUSALS_KEPT + 2}'")
+    finally:
+        ffn.close()
+    with pytest.raises(AFDConnectionError, match="was closed"):
+        waiter.join_result()
