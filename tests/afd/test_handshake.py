@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_connectors import (HIDDEN, MAX_TOKENS, Background, free_port, raw_frame,
-                             serve_one_layer)
+from test_connectors import (FAKE_NCCL, HIDDEN, MAX_TOKENS, Background, free_port,
+                             raw_frame, serve_one_layer)
 from transformers import AutoConfig
 
 from vllm.afd import auth, fingerprint, wire
@@ -44,8 +44,9 @@ def connector(role: str, port: int, *, kind: str = "tcp", token: str | None = No
         token_file.write_text(f"  {token}\n")  # surrounding whitespace is ignored
     cfg = AFDConfig(role=role, connector=kind, port=port, timeout_s=timeout_s,
                     token_file=None if token_file is None else str(token_file), **config)
+    extra = {"communicator_factory": FAKE_NCCL, "device": "cpu"} if kind == "nccl" else {}
     return create_connector(cfg, hidden_size=HIDDEN, dtype=torch.float32,
-                            max_tokens=MAX_TOKENS, fingerprint=fingerprint)
+                            max_tokens=MAX_TOKENS, fingerprint=fingerprint, **extra)
 
 
 @contextmanager
@@ -236,3 +237,263 @@ def test_refusals_are_bounded():
         ffn.close()
     with pytest.raises(AFDConnectionError, match="was closed"):
         waiter.join_result()
+
+
+# ------------------------------------------------------------- authentication
+TOKEN = "a-shared-secret-" + "7f3a" * 8
+
+
+def read_message(sock: socket.socket):
+    """One frame from a raw socket: the decoded header (payloads unused here)."""
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            assert chunk, "peer closed"
+            data += chunk
+        return data
+
+    _, header_len, _ = PREFIX.unpack(exactly(PREFIX.size))
+    return wire.decode(exactly(header_len))
+
+
+def dial(port: int) -> socket.socket:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=10)
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm", "nccl"])
+def test_same_secret_connects(kind, tmp_path):
+    port = free_port()
+    ffn = connector("ffn", port, kind=kind, token=TOKEN, tmp_path=tmp_path)
+    attn = connector("attention", port, kind=kind, token=TOKEN, tmp_path=tmp_path)
+    try:
+        assert ffn.has_secret and attn.has_secret
+        serve_one_layer(Background(ffn.connect), ffn, attn)
+        assert ffn.auth_failures == attn.auth_failures == ffn.handshake_failures == 0
+    finally:
+        attn.close()
+        ffn.close()
+
+
+def test_secret_from_the_environment(monkeypatch):
+    monkeypatch.setenv(auth.TOKEN_ENV, TOKEN)
+    port = free_port()
+    ffn, attn = connector("ffn", port), connector("attention", port)
+    try:
+        assert ffn.has_secret and attn.has_secret
+        serve_one_layer(Background(ffn.connect), ffn, attn)
+    finally:
+        attn.close()
+        ffn.close()
+    # The in-process loopback pair has nothing to prove.
+    assert not connector("ffn", port, kind="loopback").has_secret
+
+
+@pytest.mark.parametrize("ffn_token, attention_token, needle, ffn_log", [
+    (TOKEN, TOKEN[::-1],
+     f"FFN rank 0 at tcp://127.0.0.1:{{port}} failed authentication: its proof does not "
+     f"match the secret of AFD attention rank 0; {FIX}",
+     "AFD ffn rank 0: dropping attention rank 0 (127.0.0.1:{src}) during authentication: "
+     "attention rank 0 (127.0.0.1:{src}) reported a fatal error"),
+    (TOKEN, None,
+     f"FFN rank 0 at tcp://127.0.0.1:{{port}} refused AFD attention rank 0: authentication: "
+     f"this FFN server requires a secret and the attention server has none; {FIX}",
+     "AFD ffn rank 0 refused attention rank 0 (127.0.0.1:{src}): authentication: this FFN "
+     "server requires a secret"),
+    (None, TOKEN,
+     f"FFN rank 0 at tcp://127.0.0.1:{{port}} refused AFD attention rank 0: authentication: "
+     f"the attention server has a secret and this FFN server has none; {FIX}",
+     "AFD ffn rank 0 refused attention rank 0 (127.0.0.1:{src}): authentication: the "
+     "attention server has a secret"),
+], ids=["wrong-secret", "attention-without-secret", "ffn-without-secret"])
+def test_unauthenticated_peer_is_dropped_then_a_good_peer_served(
+        tmp_path, ffn_token, attention_token, needle, ffn_log):
+    port = free_port()
+    ffn = connector("ffn", port, token=ffn_token, tmp_path=tmp_path)
+    bad = connector("attention", port, token=attention_token, tmp_path=tmp_path)
+    good = connector("attention", port, token=ffn_token, tmp_path=tmp_path)
+    with captured_logs() as logs:
+        waiter = Background(ffn.connect)
+        try:
+            start = time.monotonic()
+            with pytest.raises(ProtocolError) as e:
+                bad.connect()
+            assert str(e.value) == needle.format(port=port)
+            wait_until(lambda: ffn.auth_failures == 1)
+            assert time.monotonic() - start < 10
+            assert bad.auth_failures == (1 if ffn_token and attention_token else 0)
+            serve_one_layer(waiter, ffn, good)
+            assert ffn.auth_failures == ffn.handshake_failures == 1
+        finally:
+            bad.close()
+            good.close()
+            ffn.close()
+    warnings = [r.getMessage() for r in logs if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    src = warnings[0].split("(127.0.0.1:")[1].split(")")[0]  # the bad peer's port
+    assert src.isdigit()
+    assert warnings[0].startswith(ffn_log.format(src=src))
+    assert TOKEN not in warnings[0]
+
+
+def test_secret_never_on_the_wire(tmp_path):
+    """Everything both sides send, captured by a relay between them."""
+    ffn_port, relay_port = free_port(), free_port()
+    captured = {"to_ffn": bytearray(), "to_attention": bytearray()}
+    relay = socket.create_server(("127.0.0.1", relay_port))
+
+    def pump(src: socket.socket, dst: socket.socket, into: bytearray) -> None:
+        while data := src.recv(65536):
+            into += data
+            dst.sendall(data)
+        dst.shutdown(socket.SHUT_WR)
+
+    def run_relay() -> None:
+        client, _ = relay.accept()
+        upstream = dial(ffn_port)
+        back = threading.Thread(target=pump, args=(upstream, client,
+                                                   captured["to_attention"]), daemon=True)
+        back.start()
+        try:
+            pump(client, upstream, captured["to_ffn"])
+        except OSError:
+            pass
+        back.join(10)
+
+    relaying = Background(run_relay)
+    ffn = connector("ffn", ffn_port, token=TOKEN, tmp_path=tmp_path)
+    attn = connector("attention", relay_port, token=TOKEN, tmp_path=tmp_path)
+    try:
+        serve_one_layer(Background(ffn.connect), ffn, attn)
+    finally:
+        attn.close()
+        ffn.close()
+        relaying.join_result()
+        relay.close()
+    wire_bytes = bytes(captured["to_ffn"] + captured["to_attention"])
+    # The relay saw the whole conversation, authentication included...
+    for tag in (b"hello", b"auth_challenge", b"auth_proof", b"hello_ack", b"layer"):
+        assert tag in wire_bytes
+    # ...and never the secret, in any common spelling.
+    for spelling in (TOKEN.encode(), TOKEN.encode().hex().encode(), TOKEN[:12].encode()):
+        assert spelling not in wire_bytes
+
+
+@pytest.mark.parametrize("forgery", ["none", "replayed", "other-hello", "reflected"])
+def test_forged_proofs_are_refused(tmp_path, forgery):
+    """A client that knows the secret but plays the protocol wrongly: a proof
+    from another connection (replay), for another Hello, or the FFN's own proof
+    sent back. Only the honest one ("none") gets in."""
+    port = free_port()
+    ffn = connector("ffn", port, token=TOKEN, tmp_path=tmp_path)
+    template = connector("attention", port)
+    secret = TOKEN.encode()
+    waiter = Background(ffn.connect)
+    with dial(port) as sock:
+        nonce = auth.new_nonce()
+        hello = template._hello(nonce)
+        sock.sendall(raw_frame(hello))
+        challenge = read_message(sock)
+        assert isinstance(challenge, AuthChallenge)
+        assert auth.verify(secret, "ffn", nonce, challenge.nonce, hello, challenge.proof)
+        proof = {
+            "none": auth.proof(secret, "attention", nonce, challenge.nonce, hello),
+            "replayed": auth.proof(secret, "attention", nonce, auth.new_nonce(), hello),
+            "other-hello": auth.proof(secret, "attention", nonce, challenge.nonce,
+                                      template._hello(auth.new_nonce())),
+            "reflected": challenge.proof,
+        }[forgery]
+        sock.sendall(raw_frame(AuthProof(proof=proof)))
+        ack = read_message(sock)
+        assert isinstance(ack, HelloAck)
+        try:
+            if forgery == "none":
+                waiter.join_result()
+                assert ack.accepted and ffn.auth_failures == 0
+            else:
+                assert not ack.accepted and ffn.auth_failures == 1
+                assert ack.reason == ("authentication failed: the attention server's proof "
+                                      f"does not match this FFN server's secret; {FIX}")
+        finally:
+            ffn.close()
+
+
+@pytest.mark.parametrize("rogue", ["accepts-without-auth", "bad-proof", "not-a-reply"])
+def test_attention_refuses_an_ffn_that_does_not_prove_the_secret(tmp_path, rogue):
+    port = free_port()
+    listener = socket.create_server(("127.0.0.1", port))
+
+    def rogue_ffn() -> None:
+        sock, _ = listener.accept()
+        with sock:
+            hello = read_message(sock)
+            assert isinstance(hello, Hello) and len(hello.auth_nonce) == 32
+            sock.sendall(raw_frame({
+                "accepts-without-auth": HelloAck(accepted=True, rank=0),
+                "bad-proof": AuthChallenge(nonce=auth.new_nonce(), proof=bytes(32)),
+                "not-a-reply": wire.StepHeader(step_id=0, num_tokens=[1]),
+            }[rogue]))
+            sock.recv(1)  # until the attention side hangs up
+
+    server = Background(rogue_ffn)
+    attn = connector("attention", port, token=TOKEN, tmp_path=tmp_path)
+    try:
+        with pytest.raises(ProtocolError) as e:
+            attn.connect()
+        server.join_result()
+    finally:
+        attn.close()
+        listener.close()
+    address = f"FFN rank 0 at tcp://127.0.0.1:{port}"
+    assert str(e.value) == {
+        "accepts-without-auth": f"{address} accepted AFD attention rank 0 without "
+                                f"authenticating: this side has a secret, the FFN server has "
+                                f"none or does not check it; {FIX}",
+        "bad-proof": f"{address} failed authentication: its proof does not match the secret "
+                     f"of AFD attention rank 0; {FIX}",
+        "not-a-reply": f"unexpected message from {address} while waiting for the handshake "
+                       f"reply (HelloAck): expected HelloAck or AuthChallenge, received "
+                       f"StepHeader",
+    }[rogue]
+    assert attn.auth_failures == (0 if rogue == "not-a-reply" else 1)
+
+
+def test_listening_beyond_loopback(tmp_path, monkeypatch):
+    """The connector itself refuses (the config check may have run under
+    another environment); allow_insecure lets it bind, and it then works."""
+    monkeypatch.setenv(auth.TOKEN_ENV, TOKEN)
+    checked = AFDConfig(role="ffn", connector="tcp", host="0.0.0.0", port=free_port())
+    monkeypatch.delenv(auth.TOKEN_ENV)
+    ffn = create_connector(checked, hidden_size=HIDDEN, dtype=torch.float32,
+                           max_tokens=MAX_TOKENS)
+    with pytest.raises(auth.AuthConfigError) as e:
+        ffn.connect()
+    assert str(e.value) == (
+        f"AFD ffn rank 0 at tcp://0.0.0.0:{checked.port} would listen on 0.0.0.0, reachable "
+        f"from other machines, without a secret: {FIX}, or set AFDConfig.allow_insecure=true "
+        f"to accept unauthenticated peers on a trusted network")
+    port = free_port()
+    ffn = connector("ffn", port, host="0.0.0.0", allow_insecure=True)
+    attn = connector("attention", port)
+    try:
+        serve_one_layer(Background(ffn.connect), ffn, attn)
+    finally:
+        attn.close()
+        ffn.close()
+
+
+def test_unreadable_token_file(tmp_path):
+    cfg = AFDConfig(role="attention", connector="tcp", token_file=str(tmp_path / "missing"))
+    with pytest.raises(auth.AuthConfigError, match="AFDConfig.token_file: cannot read "
+                       f"{tmp_path / 'missing'}: No such file or directory"):
+        create_connector(cfg, hidden_size=HIDDEN, dtype=torch.float32, max_tokens=MAX_TOKENS)
+    (tmp_path / "empty").write_text("\n")
+    cfg = AFDConfig(role="attention", connector="tcp", token_file=str(tmp_path / "empty"))
+    with pytest.raises(auth.AuthConfigError, match="is empty"):
+        create_connector(cfg, hidden_size=HIDDEN, dtype=torch.float32, max_tokens=MAX_TOKENS)
