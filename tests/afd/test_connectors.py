@@ -406,6 +406,30 @@ def raw_frame(message: wire.Message, payload: bytes = b"", announced: int | None
     return PREFIX.pack(MAGIC, len(header), announced) + header + payload
 
 
+def read_message(sock: socket.socket):
+    """One frame from a raw socket: the decoded header (payloads unused here)."""
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            assert chunk, "peer closed"
+            data += chunk
+        return data
+
+    _, header_len, _ = PREFIX.unpack(exactly(PREFIX.size))
+    return wire.decode(exactly(header_len))
+
+
+def dial(port: int) -> socket.socket:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=10)
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+
 @pytest.mark.parametrize("garbage, needle", [
     (b"GET / HTTP/1.1\r\nHost: ffn\r\n\r\n",
      "expected magic b'AFD1', received b'GET '"),

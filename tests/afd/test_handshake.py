@@ -16,15 +16,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_connectors import (FAKE_NCCL, HIDDEN, MAX_TOKENS, Background, free_port,
-                             raw_frame, serve_one_layer)
+from test_connectors import (FAKE_NCCL, HIDDEN, MAX_TOKENS, Background, dial, free_port,
+                             raw_frame, read_message, serve_one_layer)
 from transformers import AutoConfig
 
 from vllm.afd import auth, fingerprint, wire
 from vllm.afd.config import AFDConfig
 from vllm.afd.connectors import (AFDConnectionError, ProtocolError, create_connector)
 from vllm.afd.connectors.handshake import REFUSALS_KEPT
-from vllm.afd.connectors.tcp import PREFIX
 from vllm.afd.wire import AuthChallenge, AuthProof, Hello, HelloAck
 
 FIX = "set VLLM_AFD_TOKEN (or AFDConfig.token_file) to the same value on both roles"
@@ -241,30 +240,6 @@ def test_refusals_are_bounded():
 
 # ------------------------------------------------------------- authentication
 TOKEN = "a-shared-secret-" + "7f3a" * 8
-
-
-def read_message(sock: socket.socket):
-    """One frame from a raw socket: the decoded header (payloads unused here)."""
-    def exactly(n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = sock.recv(n - len(data))
-            assert chunk, "peer closed"
-            data += chunk
-        return data
-
-    _, header_len, _ = PREFIX.unpack(exactly(PREFIX.size))
-    return wire.decode(exactly(header_len))
-
-
-def dial(port: int) -> socket.socket:
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            return socket.create_connection(("127.0.0.1", port), timeout=10)
-        except OSError:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
 
 
 @pytest.mark.parametrize("kind", ["tcp", "shm", "nccl"])
