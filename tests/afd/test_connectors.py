@@ -535,7 +535,7 @@ def test_handshake_refuses_mismatched_peer(kind):
         assert "extra" not in str(e.value) and "layers" not in str(e.value)
         assert waiter.is_alive()  # still accepting
         assert ffn.handshake_failures == 1 and ffn.auth_failures == 0
-        assert ffn.last_refusal.startswith("attention rank 0 (")
+        assert ffn.last_refusal.startswith("attention rank 0")
         assert ffn.last_refusal.endswith("hidden_size: expected 64, received 128; "
                                          "fingerprint['model']: expected 'a', received 'b'")
         serve_one_layer(waiter, ffn, good)
