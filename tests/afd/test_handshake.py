@@ -13,6 +13,7 @@ import time
 from contextlib import contextmanager
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -472,3 +473,26 @@ def test_unreadable_token_file(tmp_path):
     cfg = AFDConfig(role="attention", connector="tcp", token_file=str(tmp_path / "empty"))
     with pytest.raises(auth.AuthConfigError, match="is empty"):
         create_connector(cfg, hidden_size=HIDDEN, dtype=torch.float32, max_tokens=MAX_TOKENS)
+
+
+def test_load_secret(tmp_path, monkeypatch):
+    assert auth.load_secret(None) is None
+    monkeypatch.setenv(auth.TOKEN_ENV, "")  # empty counts as unset
+    assert auth.load_secret(None) is None
+    monkeypatch.setenv(auth.TOKEN_ENV, f" {TOKEN}\n")
+    assert auth.load_secret(None) == TOKEN.encode()
+    (tmp_path / "token").write_text(TOKEN)
+    with pytest.raises(auth.AuthConfigError, match="set twice"):
+        auth.load_secret(str(tmp_path / "token"))
+    monkeypatch.delenv(auth.TOKEN_ENV)
+    assert auth.load_secret(str(tmp_path / "token")) == TOKEN.encode()
+    # Proofs: deterministic, and distinct per role, nonce and Hello.
+    hello = connector("attention", 1)._hello(bytes(32))
+    base = auth.proof(b"k", "ffn", bytes(32), bytes(32), hello)
+    assert base == auth.proof(b"k", "ffn", bytes(32), bytes(32), hello)
+    assert len({base, auth.proof(b"k", "attention", bytes(32), bytes(32), hello),
+                auth.proof(b"k", "ffn", bytes(31) + b"\1", bytes(32), hello),
+                auth.proof(b"k", "ffn", bytes(32), bytes(31) + b"\1", hello),
+                auth.proof(b"k2", "ffn", bytes(32), bytes(32), hello),
+                auth.proof(b"k", "ffn", bytes(32), bytes(32),
+                           msgspec.structs.replace(hello, max_tokens=1))}) == 6

@@ -81,7 +81,8 @@ def load_secret(token_file: str | None) -> bytes | None:
     else:
         return None
     if len(secret) < RECOMMENDED_SECRET_BYTES:
-        logger.warning("the AFD secret has only %d bytes; use at least %d random bytes "
+        # warning_once: every connector (one per FFN session) loads the secret.
+        logger.warning_once("the AFD secret has only %d bytes; use at least %d random bytes "
                        "(e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)",
                        len(secret), RECOMMENDED_SECRET_BYTES)
     return secret
