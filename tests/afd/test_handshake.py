@@ -496,3 +496,22 @@ def test_load_secret(tmp_path, monkeypatch):
                 auth.proof(b"k2", "ffn", bytes(32), bytes(32), hello),
                 auth.proof(b"k", "ffn", bytes(32), bytes(32),
                            msgspec.structs.replace(hello, max_tokens=1))}) == 6
+
+
+def test_ack_contents_from_the_ffn_are_checked():
+    """What an accepted HelloAck makes the attention side do next is bounded:
+    the group names existing FFN ranks, shm names are this connection's."""
+    attn = connector("attention", 7700)
+    with pytest.raises(ProtocolError, match=r"HelloAck.group from tcp://127.0.0.1:7700: "
+                       r"expected distinct FFN ranks in 0-0, received \[0, 7\]"):
+        attn._check_ack(HelloAck(accepted=True, rank=0, group=[0, 7]))
+    shm = connector("attention", 7700, kind="shm")
+    slot = shm.max_bytes
+    for names in (["/etc/passwd", "vllm-afd-7700-0-f2a-1a2b"],
+                  ["vllm-afd-7700-0-a2f-../../x", "vllm-afd-7700-0-f2a-1a2b"],
+                  ["vllm-afd-7700-0-f2a-1a2b", "vllm-afd-7700-0-a2f-1a2b"],
+                  ["vllm-afd-7700-1-a2f-1a2b", "vllm-afd-7700-1-f2a-1a2b"]):
+        with pytest.raises(ProtocolError, match="HelloAck.shm_segments: expected names "
+                           "vllm-afd-7700-0-"):
+            shm._check_ack(HelloAck(accepted=True, rank=0, shm_segments=names,
+                                    shm_slot_bytes=slot))
