@@ -122,3 +122,70 @@ def test_llm_kwargs_reach_engine_args():
     args = EngineArgs(model=MODEL, afd_role="ffn", afd_config={"port": 7801})
     cfg = args.create_engine_config()
     assert (cfg.afd_config.role, cfg.afd_config.port) == ("ffn", 7801)
+
+
+def test_model_fingerprint_of_a_real_engine_config():
+    """model_fingerprint reads what a real VllmConfig has (test_handshake.py
+    covers the items with a stand-in)."""
+    from vllm.afd.fingerprint import model_fingerprint
+
+    fp = model_fingerprint(parse("--dtype", "float32").create_engine_config())
+    assert fp["architecture"] == "Qwen3MoeForCausalLM" and fp["dtype"] == "float32"
+    assert fp["num_experts"] == "8" and fp["quantization"] == "none"
+    assert fp["weights"] != "unavailable" and len(fp["weights"]) == 32
+
+
+SECURE = "set VLLM_AFD_TOKEN (or AFDConfig.token_file) to the same value on both roles"
+
+
+@pytest.mark.parametrize("values", [
+    {"role": "ffn", "connector": "tcp", "host": "0.0.0.0"},
+    {"role": "ffn", "connector": "nccl", "host": "10.1.2.3"},
+    {"role": "ffn", "connector": "tcp", "host": "::"},
+    {"role": "ffn", "connector": "tcp", "host": "ffn.example"},
+    {"role": "ffn", "connector": "shm", "host": "0.0.0.0",
+     "connector_extra_config": {"notify": "tcp"}},
+])
+def test_ffn_beyond_loopback_needs_a_secret(values, tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_AFD_TOKEN", raising=False)
+    with pytest.raises(ValueError) as e:
+        AFDConfig(**values)
+    assert (f"AFDConfig.host: the FFN server would listen on {values['host']}, reachable "
+            f"from other machines, without a secret: {SECURE}, or set "
+            f"AFDConfig.allow_insecure=true") in str(e.value)
+    assert AFDConfig(**values, allow_insecure=True).allow_insecure
+    token = tmp_path / "token"
+    token.write_text("x" * 32)
+    assert AFDConfig(**values, token_file=str(token)).token_file == str(token)
+    monkeypatch.setenv("VLLM_AFD_TOKEN", "y" * 32)
+    AFDConfig(**values)
+
+
+@pytest.mark.parametrize("values", [
+    {"role": "ffn", "connector": "tcp", "host": "127.0.0.1"},
+    {"role": "ffn", "connector": "tcp", "host": "127.0.0.2"},
+    {"role": "ffn", "connector": "tcp", "host": "::1"},
+    {"role": "ffn", "connector": "tcp", "host": "localhost"},
+    {"role": "ffn", "connector": "shm", "host": "0.0.0.0"},  # abstract unix socket
+    {"role": "ffn", "connector": "loopback", "host": "0.0.0.0"},
+    {"role": "attention", "connector": "tcp", "host": "10.1.2.3"},  # dials, never listens
+])
+def test_local_or_dialing_needs_no_secret(values, monkeypatch):
+    monkeypatch.delenv("VLLM_AFD_TOKEN", raising=False)
+    assert not AFDConfig(**values).allow_insecure
+
+
+def test_secret_set_twice_or_empty_is_refused(tmp_path, monkeypatch):
+    token = tmp_path / "token"
+    token.write_text("x" * 32)
+    monkeypatch.setenv("VLLM_AFD_TOKEN", "y" * 32)
+    with pytest.raises(ValueError, match="the AFD secret is set twice, by VLLM_AFD_TOKEN and "
+                       "by token_file"):
+        AFDConfig(token_file=str(token))
+    monkeypatch.delenv("VLLM_AFD_TOKEN")
+    with pytest.raises(ValueError, match="AFDConfig.token_file: must not be empty"):
+        AFDConfig(token_file=" ")
+    cfg = afd_of(parse("--afd-config", f'{{"token_file": "{token}", "allow_insecure": true}}'))
+    assert (cfg.token_file, cfg.allow_insecure) == (str(token), True)
+    # Neither changes the computation graph.
+    assert cfg.compute_hash() == AFDConfig().compute_hash()

@@ -406,6 +406,30 @@ def raw_frame(message: wire.Message, payload: bytes = b"", announced: int | None
     return PREFIX.pack(MAGIC, len(header), announced) + header + payload
 
 
+def read_message(sock: socket.socket):
+    """One frame from a raw socket: the decoded header (payloads unused here)."""
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            assert chunk, "peer closed"
+            data += chunk
+        return data
+
+    _, header_len, _ = PREFIX.unpack(exactly(PREFIX.size))
+    return wire.decode(exactly(header_len))
+
+
+def dial(port: int) -> socket.socket:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=10)
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+
 @pytest.mark.parametrize("garbage, needle", [
     (b"GET / HTTP/1.1\r\nHost: ffn\r\n\r\n",
      "expected magic b'AFD1', received b'GET '"),
@@ -477,23 +501,47 @@ def test_stray_client_does_not_stop_the_ffn():
         ffn.close()
 
 
+def serve_one_layer(ffn_waiter: "Background", ffn, attn) -> None:
+    """Connect attn (a well-behaved peer) to the FFN whose connect() runs in
+    ffn_waiter, and exchange one layer: the FFN is still serving."""
+    attn.connect()
+    ffn_waiter.join_result()
+    server = Background(ffn_serve, ffn, 1)
+    attn.send_step(StepHeader(step_id=0, num_tokens=[2]))
+    attn.send_hidden(0, 0, torch.ones(2, attn.hidden_size))
+    assert attn.recv_output(0, 0).eq(2).all()
+    attn.send_step(StepHeader(step_id=0, num_tokens=[], flags=wire.SHUTDOWN))
+    assert server.join_result() == 1
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_handshake_refuses_mismatched_peer(kind):
+    """The FFN refuses a mismatched peer, naming every differing item, and then
+    serves the next, well-configured one."""
     port = free_port()
     ffn = make(kind, "ffn", port, fingerprint={"model": "a", "layers": "4"})
-    attn = make(kind, "attention", port, hidden_size=HIDDEN * 2,
-                fingerprint={"model": "b", "extra": "1"})
+    bad = make(kind, "attention", port, hidden_size=HIDDEN * 2,
+               fingerprint={"model": "b", "extra": "1"})
+    good = make(kind, "attention", port, fingerprint={"model": "a", "layers": "4"})
     waiter = Background(ffn.connect)
     try:
+        start = time.monotonic()
         with pytest.raises(ProtocolError) as e:
-            attn.connect()
-        assert f"FFN rank 0 at {attn.address} refused AFD attention rank 0" in str(e.value)
+            bad.connect()
+        assert time.monotonic() - start < 10
+        assert f"FFN rank 0 at {bad.address} refused AFD attention rank 0" in str(e.value)
         assert "hidden_size: expected 64, received 128" in str(e.value)
         assert "fingerprint['model']: expected 'a', received 'b'" in str(e.value)
-        with pytest.raises(ProtocolError, match="refused attention rank 0"):
-            waiter.join_result()
+        assert "extra" not in str(e.value) and "layers" not in str(e.value)
+        assert waiter.is_alive()  # still accepting
+        assert ffn.handshake_failures == 1 and ffn.auth_failures == 0
+        assert ffn.last_refusal.startswith("attention rank 0")
+        assert ffn.last_refusal.endswith("hidden_size: expected 64, received 128; "
+                                         "fingerprint['model']: expected 'a', received 'b'")
+        serve_one_layer(waiter, ffn, good)
     finally:
-        attn.close()
+        bad.close()
+        good.close()
         ffn.close()
     if kind == "shm":
         assert shm_entries(ffn.port) == []
@@ -501,13 +549,15 @@ def test_handshake_refuses_mismatched_peer(kind):
 
 def test_handshake_refuses_other_connector():
     port = free_port()
-    ffn = make("nccl", "ffn", port)
+    ffn = make("nccl", "ffn", port, timeout_s=3)
     attn = make("tcp", "attention", port)
     waiter = Background(ffn.connect)
     try:
         with pytest.raises(ProtocolError, match="connector: expected 'nccl', received 'tcp'"):
             attn.connect()
-        with pytest.raises(ProtocolError):
+        with pytest.raises(AFDTimeoutError, match=r"1 connection\(s\) dropped or refused "
+                           r"during the handshake; the last refusal: attention rank 0 "
+                           r"\(127.0.0.1:\d+\): connector: expected 'nccl'"):
             waiter.join_result()
     finally:
         attn.close()
@@ -614,7 +664,9 @@ def test_handshake_refuses_routing_mismatch(kind):
     try:
         with pytest.raises(ProtocolError, match="routing_topk: expected 2, received 0"):
             attn.connect()
-        with pytest.raises(ProtocolError, match="routing_topk"):
+        assert "routing_topk" in ffn.last_refusal
+        ffn.close()  # interrupts its accept loop
+        with pytest.raises(AFDConnectionError, match="was closed while it waited"):
             waiter.join_result()
     finally:
         attn.close()

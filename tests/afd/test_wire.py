@@ -48,6 +48,9 @@ def check(f: LayerFrame, **overrides) -> torch.dtype:
     frame(dtype="bfloat16", shape=[0, 4096], nbytes=0),
     frame(topk=2, nbytes=8 * 128 * 4 + 8 * 2 * 8),
     hello(routing_topk=8),
+    hello(auth_nonce=bytes(range(32))),
+    wire.AuthChallenge(nonce=bytes(range(32)), proof=bytes(32)),
+    wire.AuthProof(proof=bytes(range(32))),
     ErrorFrame(text="FFN rank 0: MoE kernel failed"),
 ], ids=lambda m: type(m).__name__)
 def test_round_trip(message):
@@ -82,9 +85,15 @@ def test_step_flags():
      "length <= 4096 - at `$.text`"),
     (msgspec.msgpack.encode({**msgspec.to_builtins(hello()), "num_ubatches": 5}),
      "<= 4 - at `$.num_ubatches`"),
+    (msgspec.msgpack.encode({"kind": "auth_challenge", "nonce": bytes(31),
+                             "proof": bytes(32)}), "length >= 32 - at `$.nonce`"),
+    (msgspec.msgpack.encode({"kind": "auth_proof", "proof": bytes(33)}),
+     "length <= 32 - at `$.proof`"),
+    (msgspec.msgpack.encode({"kind": "auth_proof", "proof": "not bytes"}),
+     "Expected `bytes`, got `str` - at `$.proof`"),
 ], ids=["empty", "reserved-byte", "truncated", "not-a-map", "unknown-kind", "no-kind",
         "negative-layer", "missing-field", "too-many-ubatches", "too-many-dims",
-        "text-too-long", "hello-ubatches"])
+        "text-too-long", "hello-ubatches", "short-nonce", "long-proof", "proof-not-bytes"])
 def test_malformed_bytes(data, needle):
     with pytest.raises(ProtocolError, match="malformed AFD message from FFN rank 0") as e:
         wire.decode(data, source="FFN rank 0")

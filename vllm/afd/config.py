@@ -8,6 +8,7 @@ and add it to compute_hash() only if it changes the computation graph.
 """
 
 import json
+import sys
 from dataclasses import field, fields
 from typing import Any, Literal
 
@@ -96,6 +97,16 @@ class AFDConfig:
     connector_extra_config: dict[str, Any] = field(default_factory=dict)
     """Transport-specific options, passed to the connector as they are."""
 
+    token_file: str | None = None
+    """File holding the secret shared by the attention and FFN servers (surrounding
+    whitespace ignored); the alternative to the VLLM_AFD_TOKEN environment variable
+    (set one of the two, on both roles). Peers prove they know it by challenge-response;
+    it is never sent."""
+
+    allow_insecure: bool = False
+    """Let an FFN server listen on a non-loopback host without a secret, serving any
+    peer that reaches its port. Only for trusted, isolated networks."""
+
     def __post_init__(self) -> None:
         # role, connector and gate_on are Literal fields: pydantic rejects other
         # values with the field name and the valid choices.
@@ -117,6 +128,33 @@ class AFDConfig:
                              f"1-{MAX_UBATCHES}")
         if self.timeout_s <= 0:
             raise ValueError(f"AFDConfig.timeout_s: must be > 0, got {self.timeout_s}")
+        self._check_security()
+
+    def _check_security(self) -> None:
+        # Imported here: this module is imported while vllm.config loads.
+        from vllm.afd import auth
+
+        if self.token_file is not None and not self.token_file.strip():
+            raise ValueError("AFDConfig.token_file: must not be empty (omit it for no "
+                             "secret)")
+        if self.token_file and auth.secret_configured(None):
+            raise ValueError(f"AFDConfig.token_file: the AFD secret is set twice, by "
+                             f"{auth.TOKEN_ENV} and by token_file ({self.token_file}); use "
+                             f"exactly one of them")
+        if self.is_ffn and self.listens_on_tcp:
+            auth.check_listen_address(
+                self.host, has_secret=auth.secret_configured(self.token_file),
+                allow_insecure=self.allow_insecure, what="AFDConfig.host: the FFN server")
+
+    @property
+    def listens_on_tcp(self) -> bool:
+        """Whether the FFN side of this connector listens on host:port over TCP
+        (shm only with connector_extra_config {"notify": "tcp"}; its default is a
+        local abstract unix socket)."""
+        if self.connector == "shm":
+            return (self.connector_extra_config.get("notify", "unix") == "tcp"
+                    or not sys.platform.startswith("linux"))
+        return self.connector != "loopback"
 
     @property
     def is_attention(self) -> bool:

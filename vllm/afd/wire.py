@@ -11,6 +11,8 @@ LayerFrame header describes the payload and the transport moves its bytes
 Conversation, per attention rank and its FFN server:
 
     attention -> FFN   Hello                     once, after connecting
+    FFN -> attention   AuthChallenge             only when the FFN has a secret
+    attention -> FFN   AuthProof                 (vllm/afd/auth.py; see there)
     FFN -> attention   HelloAck                  accepted, or rejected with reason
     attention -> FFN   StepHeader                once per model step
     attention -> FFN   LayerFrame + hidden       per layer and micro-batch
@@ -39,13 +41,20 @@ logger = init_logger(__name__)
 
 # Bump on any incompatible change; peers with different versions refuse to talk.
 # 2: LayerFrame.topk and Hello.routing_topk (routing computed on the attention side).
-PROTOCOL_VERSION = 2
+# 3: authentication (Hello.auth_nonce, AuthChallenge, AuthProof) and the model
+#    fingerprint of vllm/afd/fingerprint.py in Hello.fingerprint.
+PROTOCOL_VERSION = 3
 
 MAX_UBATCHES = 4  # AFDConfig.num_ubatches is 1..4
 MAX_DIMS = 8
 MAX_TEXT = 4096  # reasons and error texts; a peer cannot make us log megabytes
 MAX_FINGERPRINT_ITEMS = 64
 MAX_TOPK = 1024  # experts per token; real models use 1-16
+AUTH_NONCE_BYTES = 32  # fresh random bytes per connection and side
+AUTH_PROOF_BYTES = 32  # HMAC-SHA256
+# A fingerprint item one side could not compute (e.g. the checkpoint is not on
+# its disk yet); never counts as a mismatch.
+FINGERPRINT_UNAVAILABLE = "unavailable"
 
 # Routing (AFDConfig.gate_on == "attention") travels in the same payload as the
 # hidden states it belongs to, after them:
@@ -77,6 +86,10 @@ KNOWN_FLAGS = DUMMY | SHUTDOWN | GOODBYE
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 Name = Annotated[str, msgspec.Meta(max_length=256)]
+Nonce = Annotated[bytes, msgspec.Meta(min_length=AUTH_NONCE_BYTES,
+                                      max_length=AUTH_NONCE_BYTES)]
+Proof = Annotated[bytes, msgspec.Meta(min_length=AUTH_PROOF_BYTES,
+                                      max_length=AUTH_PROOF_BYTES)]
 
 
 class ProtocolError(ValueError):
@@ -109,6 +122,23 @@ class Hello(Message, tag="hello"):
     # quantization); keys both sides know must match.
     fingerprint: Annotated[dict[Name, Text],
                            msgspec.Meta(max_length=MAX_FINGERPRINT_ITEMS)] = {}
+    # The attention side's challenge to the FFN, AUTH_NONCE_BYTES of them when
+    # it has a secret (VLLM_AFD_TOKEN), empty when it has none.
+    auth_nonce: Annotated[bytes, msgspec.Meta(max_length=AUTH_NONCE_BYTES)] = b""
+
+
+class AuthChallenge(Message, tag="auth_challenge"):
+    """The FFN's answer to a Hello when it has a secret: its own challenge, and
+    its proof that it knows the secret (vllm/afd/auth.py)."""
+
+    nonce: Nonce
+    proof: Proof
+
+
+class AuthProof(Message, tag="auth_proof"):
+    """The attention side's proof that it knows the secret."""
+
+    proof: Proof
 
 
 class HelloAck(Message, tag="hello_ack"):
@@ -172,7 +202,8 @@ class ErrorFrame(Message, tag="error"):
     text: Text
 
 
-AnyMessage = Hello | HelloAck | StepHeader | LayerFrame | ErrorFrame
+AnyMessage = (Hello | AuthChallenge | AuthProof | HelloAck | StepHeader | LayerFrame
+              | ErrorFrame)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)

@@ -134,6 +134,8 @@ class AFDConnector(HandshakeMixin, ABC):
         self._routings: dict[tuple[int, int], wire.Routing | None] = {}  # see routing()
         self._announced: dict[int, int] = {}  # peer -> payload length of its last message
         self._views: dict[Any, tuple] = {}  # see _typed_view
+        # The shared secret and the handshake counters (handshake.py).
+        self._init_handshake()
 
     # ----------------------------------------------------------------- identity
     @property

@@ -164,6 +164,9 @@ class ShmConnector(TcpConnector):
             return super().address
         return f"unix:@vllm-afd-{self.port}"
 
+    def _listens_on_network(self) -> bool:
+        return not self._unix_notify  # an abstract unix socket is local-only
+
     def _make_connection(self, timeout: float) -> socket.socket:
         if not self._unix_notify:
             return super()._make_connection(timeout)
@@ -210,6 +213,15 @@ class ShmConnector(TcpConnector):
         if ack.shm_slot_bytes < self.max_bytes:
             raise ProtocolError(f"HelloAck.shm_slot_bytes: expected at least "
                                 f"{self.max_bytes}, received {ack.shm_slot_bytes}")
+        # The names come from the peer, and this side unlinks them once mapped:
+        # only ever segments made for this connection, never someone else's.
+        prefix = f"vllm-afd-{self.port}-{self.rank}-"
+        for name, direction in zip(ack.shm_segments, ("a2f", "f2a")):
+            suffix = name[len(prefix):]
+            if (not name.startswith(prefix) or not suffix.startswith(direction + "-")
+                    or not suffix[4:].isalnum()):
+                raise ProtocolError(f"HelloAck.shm_segments: expected names "
+                                    f"{prefix}{direction}-<hex>, received {name!r}")
         self.slot_bytes = ack.shm_slot_bytes
         size = self.slot_bytes * self.num_ubatches
         segments = []

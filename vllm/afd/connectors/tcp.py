@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from vllm.afd import wire
+from vllm.afd import auth, wire
 from vllm.afd.connectors.base import (LOG_INTERVAL_S, AFDConnectionError, AFDConnector,
                                       LinkClosed, LinkTimeout,
                                       WaitCallback)
@@ -183,6 +183,7 @@ def _unsent(parts: list, sent: int) -> list:
 
 class TcpConnector(AFDConnector):
     name = "tcp"
+    authenticates = True  # see handshake.py and vllm/afd/auth.py
 
     def __init__(self, afd_config, **kwargs) -> None:
         super().__init__(afd_config, **kwargs)
@@ -235,7 +236,16 @@ class TcpConnector(AFDConnector):
     def _make_listener(self) -> socket.socket:
         return socket.create_server((self.host, self.port), backlog=64)
 
+    def _listens_on_network(self) -> bool:
+        """Whether the FFN's listener is reachable over TCP (shm: unless it uses
+        its local abstract unix socket)."""
+        return True
+
     def _listen(self) -> None:
+        if self._listens_on_network():
+            auth.check_listen_address(self.host, has_secret=self.has_secret,
+                                      allow_insecure=self.afd_config.allow_insecure,
+                                      what=f"{self.me} at {self.address}")
         try:
             self._listener = self._make_listener()
         except OSError as e:
@@ -254,7 +264,7 @@ class TcpConnector(AFDConnector):
                 deadline, f"attention rank(s) {missing()} on {self.address}",
                 f"{self.me} waited {self.timeout_s:g}s on {self.address} for attention "
                 f"rank(s) {missing()} to connect; is the attention server running with "
-                f"the same host, port and connector '{self.name}'?")
+                f"the same host, port and connector '{self.name}'?{self._refusal_note()}")
             try:
                 listener.settimeout(min(remaining, LOG_INTERVAL_S))
                 sock, addr = listener.accept()
@@ -278,6 +288,13 @@ class TcpConnector(AFDConnector):
         # All peers are here; free the port (no reconnects into a running session).
         self._listener = None
         listener.close()
+
+    def _refusal_note(self) -> str:
+        if not self.handshake_failures:
+            return ""
+        last = f"; the last refusal: {self.last_refusal}" if self.last_refusal else ""
+        return (f" ({self.handshake_failures} connection(s) dropped or refused during the "
+                f"handshake{last})")
 
     # ---------------------------------------------------------------- frames
     def _transmit(self, peer: int, header: bytes, frame: LayerFrame | None,
