@@ -22,32 +22,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from servers import Server, free_port  # noqa: E402
+from servers import Server, free_port, tree_rss_mib  # noqa: E402
 
 COMMON = ["--max-model-len", "512", "--enforce-eager", "--dtype", "float32"]
 CHAT = [{"role": "user", "content": "Hello, who are you?"}]
-
-
-def tree_rss_mib(pid: int) -> float:
-    """Resident memory of a process and its descendants, in MiB."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo += children.get(p, [])
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total / 1024
 
 
 def ask(url: str, model: str, prompt: str, max_tokens: int) -> tuple[str, str]:

@@ -26,6 +26,37 @@ def vllm_bin() -> str:
     return str(Path(sys.executable).parent / "vllm")
 
 
+def process_tree_rss_kib(pid: int) -> dict[str, int]:
+    """VmRSS (KiB) of a process and each of its descendants, keyed "name[pid]".
+
+    Shared memory counts in every process that maps it (the shm connector's
+    rings appear in both roles): sums overstate, but they do so steadily."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    rss, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            status = dict(line.split(":", 1) for line in
+                          Path(f"/proc/{p}/status").read_text().splitlines() if ":" in line)
+        except OSError:  # exited meanwhile
+            continue
+        if "VmRSS" in status:  # absent for zombies
+            rss[f"{status['Name'].strip()}[{p}]"] = int(status["VmRSS"].split()[0])
+    return rss
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and its descendants, in MiB."""
+    return sum(process_tree_rss_kib(pid).values()) / 1024
+
+
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:

@@ -1,0 +1,54 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""The soak benchmark's CI version: benchmarks/soak.py for one minute, 3 clients.
+
+A two-role deployment (FFN server, attention server, shm connector) under
+steady load must answer every request well-formed, keep the canary's greedy
+text, keep both servers' resident memory flat and move the FFN's link
+counters; the script's exit status and its JSON say so.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SOAK = REPO / "benchmarks" / "soak.py"
+MINUTES, CLIENTS = 1, 3
+# ~5 requests/s on an idle 2-core machine; a loaded CI runner may be far slower.
+MIN_REQUESTS = 60
+# Start-up (86-105 s on a busy 2-core VM), the load, stopping both servers (~15 s).
+TIMEOUT_S = 420
+
+pytestmark = pytest.mark.slow
+
+
+def test_soak_one_minute(models_dir, tmp_path):
+    cmd = [sys.executable, str(SOAK), "--minutes", str(MINUTES), "--clients", str(CLIENTS),
+           "--model", str(models_dir / "tiny-qwen3-moe"), "--out", str(tmp_path)]
+    log_path = tmp_path / "soak.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+    try:
+        rc = proc.wait(TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # soak.py stops both servers on SIGTERM
+        proc.wait(120)
+        pytest.fail(f"soak.py did not finish in {TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
+    output = log_path.read_text(errors="replace")
+    result_path = tmp_path / "soak.json"
+    assert result_path.is_file(), f"soak.py exited {rc} without results:\n{output[-4000:]}"
+    res = json.loads(result_path.read_text())
+
+    assert res["errors"] == 0, res["error_texts"]
+    assert res["requests"] >= MIN_REQUESTS, output[-2000:]
+    for role, verdict in res["rss"].items():
+        assert verdict["flat"], (role, verdict)
+    assert res["ffn_link"] and all(w["delta"]["steps"] > 0 for w in res["ffn_link"])
+    assert res["ffn_link"][0]["delta"]["layer_calls"] > 0
+    assert res["server_exit_codes"] == {"ffn": 0, "attention": 0}, output[-2000:]
+    assert rc == 0 and res["passed"], output[-2000:]
