@@ -21,7 +21,9 @@ import time
 
 import torch
 
+from vllm.afd.auth import AuthConfigError
 from vllm.afd.batcher import LayerBatcher
+from vllm.afd.fingerprint import model_fingerprint
 from vllm.afd.link import _error_kind
 from vllm.afd.metrics import LATENCY_BUCKETS_S, TOKEN_BUCKETS, Histogram
 from vllm.afd.connectors.base import AFDConnector, AFDTimeoutError, create_connector
@@ -68,8 +70,9 @@ class FFNLoop:
         self._bytes_closed = [0, 0]  # sent, received by connectors already closed
         self._refusals_closed = [0, 0]  # auth, handshake failures of closed connectors
         self.serving: list[int] = []  # the attention ranks being served now
+        self.last_refusal: str | None = None  # the last peer refused at the handshake
         self.since = time.time()
-        self.fingerprint = _fingerprint(vllm_config)
+        self.fingerprint = model_fingerprint(vllm_config)
 
     # --- lifecycle -------------------------------------------------------
     def start(self) -> None:
@@ -98,7 +101,13 @@ class FFNLoop:
                 "steps": stats.steps, "stats": stats.as_dict(),
                 "rank": self.placement.rank, "group": self.placement.group,
                 "serving": list(self.serving), "last_peer_error": self.last_error,
+                "last_refusal": self._last_refusal(),
                 "layers": list(self.layers), "link": self.document()}
+
+    def _last_refusal(self) -> str | None:
+        conn = self.connector
+        return (getattr(conn, "last_refusal", None) if conn is not None else None) \
+            or self.last_refusal
 
     def document(self) -> dict:
         """State and counters of this FFN rank's link, for /metrics."""
@@ -137,6 +146,10 @@ class FFNLoop:
                 return
             try:
                 self._serve_peers()
+            except AuthConfigError as e:  # e.g. a public address without a secret
+                self.error = f"{type(e).__name__}: {e}"
+                logger.error("AFD FFN loop cannot serve: %s", self.error)
+                return
             except AFDTimeoutError:
                 if self.serving:  # a peer stopped answering mid-step
                     self._peer_failed(AFDTimeoutError("attention peer timed out"))
@@ -156,6 +169,7 @@ class FFNLoop:
                     self._bytes_closed[1] += conn.bytes_received
                     self._refusals_closed[0] += getattr(conn, "auth_failures", 0)
                     self._refusals_closed[1] += getattr(conn, "handshake_failures", 0)
+                    self.last_refusal = getattr(conn, "last_refusal", None) or self.last_refusal
 
     def _peer_failed(self, error: BaseException) -> None:
         self.last_error = f"{type(error).__name__}: {error}"
@@ -264,10 +278,3 @@ class FFNLoop:
             raise error
         return routing
 
-
-def _fingerprint(vllm_config) -> dict[str, str]:
-    try:
-        from vllm.afd.fingerprint import model_fingerprint
-    except ImportError:  # not there yet
-        return {}
-    return model_fingerprint(vllm_config)

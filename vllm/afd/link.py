@@ -30,6 +30,7 @@ import torch
 
 from vllm.afd import link_status
 from vllm.afd.config import AFDConfig
+from vllm.afd.fingerprint import model_fingerprint
 from vllm.afd.failover import AFDLinkDown
 from vllm.afd.metrics import LATENCY_BUCKETS_S, Histogram
 from vllm.afd.stats import LinkStats, now
@@ -100,6 +101,7 @@ class AttentionLink:
         self._closed = threading.Event()
         self._connecting: list = []  # connectors being connected: close() interrupts them
         self._thread: threading.Thread | None = None
+        self._last_logged = ""
 
     def add_layer(self, layer_idx: int, routing_topk: int = 0) -> None:
         """Register a remote layer; routing_topk > 0: it sends routing that wide."""
@@ -140,9 +142,13 @@ class AttentionLink:
                             link_status.REFUSED if refused else
                             link_status.DOWN if self.connects else link_status.CONNECTING,
                             error=f"{type(e).__name__}: {e}")
-                    (logger.error if refused else logger.warning)(
-                        "AFD attention rank %d: no link to %s: %s; retrying in %.1fs",
-                        self.rank, self.peer, e, backoff)
+                    # The same failure again (an FFN still down or still
+                    # mismatched) is logged once, then at debug level.
+                    repeated = str(e) == self._last_logged
+                    self._last_logged = str(e)
+                    (logger.debug if repeated else logger.error if refused else logger.warning)(
+                        "AFD attention rank %d: no link to %s: %s; retrying every %.0f-%.0fs",
+                        self.rank, self.peer, e, *RECONNECT_BACKOFF_S)
                     self._publish()
                     self._wake.wait(backoff)
                     self._wake.clear()
@@ -159,10 +165,28 @@ class AttentionLink:
                 backoff = RECONNECT_BACKOFF_S[0]
                 logger.info("AFD attention rank %d: link to %s is up%s", self.rank, self.peer,
                             f" (reconnect {self.connects - 1})" if self.connects > 1 else "")
+            else:
+                self._check_idle_peer()
             self._publish()
             self._wake.wait(PUBLISH_INTERVAL_S)
             self._wake.clear()
         self._publish()
+
+    def _check_idle_peer(self) -> None:
+        """Between steps nobody reads the link: notice an FFN that went away
+        (said goodbye on SIGTERM, or died) so /health says so before the next
+        request fails on it."""
+        with self._lock:
+            connectors = ([self.connector] if self.connector is not None else []) \
+                + self.followers
+            gone = [c for c in connectors if getattr(c, "peer_closed", lambda: False)()]
+            if not gone:
+                return
+            error = f"{gone[0].peer_name(0)} at {gone[0].address} closed the connection"
+            self.errors["connection"] = self.errors.get("connection", 0) + 1
+            self._set_state(link_status.DOWN, error=error)
+            self._drop_connectors()
+        logger.warning("AFD attention rank %d: %s; reconnecting", self.rank, error)
 
     def _connect(self):
         """Connect to the FFN rank and, for a tensor/expert-parallel FFN server,
@@ -356,18 +380,11 @@ def get_or_create_link(vllm_config) -> AttentionLink:
             _link = AttentionLink(
                 vllm_config.afd_config, hidden_size=mc.get_hidden_size(), dtype=mc.dtype,
                 max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-                rank=attention_rank(vllm_config), fingerprint=_fingerprint(vllm_config))
+                rank=attention_rank(vllm_config), fingerprint=model_fingerprint(vllm_config))
             # Say goodbye at exit, so the FFN server knows the peer left on purpose.
             atexit.register(_link.close)
         return _link
 
-
-def _fingerprint(vllm_config) -> dict[str, str]:
-    try:
-        from vllm.afd.fingerprint import model_fingerprint
-    except ImportError:  # not there yet
-        return {}
-    return model_fingerprint(vllm_config)
 
 
 def get_link() -> AttentionLink:

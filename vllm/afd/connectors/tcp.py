@@ -39,8 +39,10 @@ The socket link (SocketLink) is also the header channel of the shm and nccl
 connectors, which move payloads elsewhere and announce payload length 0.
 """
 
+import select
 import socket
 import struct
+import threading
 import time
 
 import torch
@@ -61,6 +63,7 @@ MAX_HEADER_BYTES = 64 * 1024  # a Hello with a large fingerprint fits easily
 # must not hold the FFN's accept loop for the whole connect timeout.
 HELLO_TIMEOUT_S = 10.0
 RETRY_INTERVAL_S = (0.05, 0.5)  # connect retries back off between these
+_HANGUP = getattr(select, "POLLRDHUP", 0x2000) | select.POLLHUP | select.POLLERR
 
 
 def configure_socket(sock: socket.socket) -> None:
@@ -187,6 +190,8 @@ class TcpConnector(AFDConnector):
 
     def __init__(self, afd_config, **kwargs) -> None:
         super().__init__(afd_config, **kwargs)
+        self._init_kwargs = kwargs  # for the gatekeeper's handshakes (_keep_the_gate)
+        self._gatekeeper: threading.Thread | None = None
         self.host = afd_config.host
         self.port = afd_config.port + self.ffn_rank
         self._listener: socket.socket | None = None
@@ -285,9 +290,47 @@ class TcpConnector(AFDConnector):
                 link.close()
                 continue
             link.name = f"{self.peer_name(peer)} ({source})"
-        # All peers are here; free the port (no reconnects into a running session).
-        self._listener = None
-        listener.close()
+        # All peers are here. Keep the port: whoever knocks during the session is
+        # told why it cannot join (its mismatches, or that its rank is taken).
+        self._keep_the_gate(listener)
+
+    def _keep_the_gate(self, listener: socket.socket) -> None:
+        """Answer connections that arrive while this FFN rank serves its peers:
+        a handshake by a separate, never-connected connector of the same
+        configuration (so no state of the running session is touched), which
+        refuses every Hello, naming each problem; counters and refusals are
+        added to this connector's."""
+        gate = type(self)(self.afd_config, **self._init_kwargs)
+        gate._links = {peer: None for peer in self.connected_peers}  # "already connected"
+
+        def run() -> None:
+            while not self._closing.is_set():
+                try:
+                    listener.settimeout(LOG_INTERVAL_S)
+                    sock, addr = listener.accept()
+                except socket.timeout:
+                    continue
+                except OSError:
+                    return  # close() shut the listener
+                configure_socket(sock)
+                source = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "local peer"
+                link = SocketLink(sock, f"connection from {source}", self.timeout_s)
+                before = (gate.handshake_failures, gate.auth_failures)
+                gate.refusals.clear()
+                try:
+                    gate._handshake_as_ffn(link, source, time.monotonic() + HELLO_TIMEOUT_S)
+                except Exception as e:  # noqa: BLE001 - the session must go on
+                    logger.warning("%s: handshake with %s during a session failed: %s",
+                                   self.me, source, e)
+                finally:
+                    link.close()
+                self.handshake_failures += gate.handshake_failures - before[0]
+                self.auth_failures += gate.auth_failures - before[1]
+                self.refusals.extend(gate.refusals)
+
+        self._gatekeeper = threading.Thread(target=run, name=f"afd-gate-{self.port}",
+                                            daemon=True)
+        self._gatekeeper.start()
 
     def _refusal_note(self) -> str:
         if not self.handshake_failures:
@@ -295,6 +338,19 @@ class TcpConnector(AFDConnector):
         last = f"; the last refusal: {self.last_refusal}" if self.last_refusal else ""
         return (f" ({self.handshake_failures} connection(s) dropped or refused during the "
                 f"handshake{last})")
+
+    def peer_closed(self) -> bool:
+        """Whether a peer's end of the connection hung up (FIN, reset), even
+        with unread bytes (a GOODBYE) still queued: lets an idle side notice a
+        peer that went away between steps without reading the stream."""
+        poller = select.poll()
+        for link in list(self._links.values()):
+            if isinstance(link, SocketLink):
+                try:
+                    poller.register(link.sock.fileno(), _HANGUP)
+                except ValueError:  # closed meanwhile
+                    return True
+        return any(events & _HANGUP for _, events in poller.poll(0))
 
     # ---------------------------------------------------------------- frames
     def _transmit(self, peer: int, header: bytes, frame: LayerFrame | None,
