@@ -158,6 +158,8 @@ class FFNLoop:
                 if self.stop_event.is_set():
                     break
                 # A lost or misbehaving peer ends its conversation, not the server.
+                if not self.serving:  # e.g. the port is still taken: do not spin
+                    self.stop_event.wait(0.5)
                 self._peer_failed(e)
             finally:
                 self.serving = []

@@ -45,11 +45,16 @@ CLOSED = "closed"  # shut down on purpose
 def prepare_status_dir() -> str:
     """The status directory of this process tree, created on first use.
     Called in the API server process before it spawns its engine."""
+    import multiprocessing
+
     owner = os.getpid()
     path = os.environ.get(ENV_STATUS_DIR)
-    # The directory names its owner: a server started by another AFD process
+    # The directory names its owner. vLLM's own processes (API servers of a
+    # data-parallel server, engines, workers: multiprocessing children) share
+    # their parent's; a server started as a new program by another AFD process
     # (a test, a launcher) inherits the variable but must not share the files.
-    if path and os.path.isdir(path) and f"-{owner}-" in os.path.basename(path):
+    if path and os.path.isdir(path) and (f"-{owner}-" in os.path.basename(path)
+                                         or multiprocessing.parent_process() is not None):
         return path
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     path = tempfile.mkdtemp(prefix=f"vllm-afd-status-{owner}-", dir=base)

@@ -63,6 +63,7 @@ MAX_HEADER_BYTES = 64 * 1024  # a Hello with a large fingerprint fits easily
 # must not hold the FFN's accept loop for the whole connect timeout.
 HELLO_TIMEOUT_S = 10.0
 RETRY_INTERVAL_S = (0.05, 0.5)  # connect retries back off between these
+GATE_POLL_S = 0.1
 _HANGUP = getattr(select, "POLLRDHUP", 0x2000) | select.POLLHUP | select.POLLERR
 
 
@@ -306,7 +307,9 @@ class TcpConnector(AFDConnector):
         def run() -> None:
             while not self._closing.is_set():
                 try:
-                    listener.settimeout(LOG_INTERVAL_S)
+                    # Short: a blocked accept keeps the port bound after close()
+                    # until it returns, and the next session listens on it.
+                    listener.settimeout(GATE_POLL_S)
                     sock, addr = listener.accept()
                 except socket.timeout:
                     continue
@@ -404,5 +407,8 @@ class TcpConnector(AFDConnector):
             except OSError:
                 pass
             listener.close()
+        gatekeeper = self._gatekeeper
+        if gatekeeper is not None and gatekeeper is not threading.current_thread():
+            gatekeeper.join(timeout=2 * HELLO_TIMEOUT_S)  # frees the port for the next session
         self._rx_buffers.clear()
         self._views.clear()
