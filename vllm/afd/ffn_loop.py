@@ -150,9 +150,9 @@ class FFNLoop:
                 self.error = f"{type(e).__name__}: {e}"
                 logger.error("AFD FFN loop cannot serve: %s", self.error)
                 return
-            except AFDTimeoutError:
+            except AFDTimeoutError as e:
                 if self.serving:  # a peer stopped answering mid-step
-                    self._peer_failed(AFDTimeoutError("attention peer timed out"))
+                    self._peer_failed(e)
                 continue  # otherwise nobody connected within timeout_s: keep waiting
             except Exception as e:
                 if self.stop_event.is_set():
@@ -177,8 +177,12 @@ class FFNLoop:
         self.last_error = f"{type(error).__name__}: {error}"
         kind = _error_kind(error)
         self.errors[kind] = self.errors.get(kind, 0) + 1
-        logger.warning("AFD FFN rank %d: attention peer(s) %s lost: %s; waiting for the next "
-                       "one", self.placement.rank, self.serving, self.last_error)
+        if self.serving:
+            logger.warning("AFD FFN rank %d: attention peer(s) %s lost: %s; waiting for the "
+                           "next one", self.placement.rank, self.serving, self.last_error)
+        else:
+            logger.warning("AFD FFN rank %d: %s; listening again", self.placement.rank,
+                           self.last_error)
 
     def _serve_peers(self) -> None:
         self.connector.accept()
