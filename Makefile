@@ -18,7 +18,7 @@ AFD_SOURCES := $(shell git ls-files vllm/afd csrc patches) setup.py pyproject.to
 	tools/vendor.py tools/series.py tools/upstream.py
 WHEEL_STAMP := build/.installed-$(FLAVOR)
 
-.PHONY: demo test bench soak dev-test upstream-test env vendor wheel install models check-series docs clean
+.PHONY: demo test bench soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
 
 demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
@@ -81,6 +81,14 @@ dev-test: $(WHEEL_STAMP) models
 # Upstream vLLM's own tests of the modules our patches touch, stock wheel vs ours.
 upstream-test: $(WHEEL_STAMP)
 	$(PY) tools/upstream_tests.py
+
+# Carry the series to a new upstream release (docs/rebase.md):
+#   make rebase VERSION=0.33.0 [FLAVOR=cuda] [WRITE=1]   report in build/rebase/report.md
+#   make rebase CONTINUE=1 | make rebase ABORT=1           after a conflict
+rebase: env
+	$(PY) tools/rebase.py $(if $(CONTINUE),--continue,$(if $(ABORT),--abort,$(VERSION))) \
+		$(if $(filter command line environment,$(origin FLAVOR)),--flavor $(FLAVOR)) \
+		$(if $(WRITE),--write)
 
 check-series: env
 	$(PY) tools/check_series.py
