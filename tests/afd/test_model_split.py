@@ -16,15 +16,22 @@ MLP = re.compile(r"(^|\.)layers\.\d+\.mlp\.")
 GATE = re.compile(r"(^|\.)layers\.\d+\.mlp\.gate\.")  # the MoE router gate
 
 _probes: dict[tuple, dict] = {}
+SPECS = ["plain", "attention:ffn", "ffn:ffn", "attention:attention", "ffn:attention"]
 
 
 def probe(model: Path, role: str, gate_on: str = "ffn") -> dict:
+    """What the role constructs; every spec of a model is probed in one process."""
     key = (str(model), role, gate_on if role != "plain" else "")
     if key not in _probes:
-        proc = subprocess.run([sys.executable, str(PROBE), str(model), role, gate_on],
-                              capture_output=True, text=True, timeout=300, cwd="/")
+        proc = subprocess.run([sys.executable, str(PROBE), str(model), *SPECS],
+                              capture_output=True, text=True, timeout=600, cwd="/")
         assert proc.returncode == 0, proc.stderr[-4000:]
-        _probes[key] = json.loads(proc.stdout.strip().splitlines()[-1])
+        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert len(lines) == len(SPECS), proc.stdout[-2000:]
+        for spec, got in zip(SPECS, lines):
+            r, _, g = spec.partition(":")
+            assert (got["role"], got["gate_on"]) == (r, g or "ffn")
+            _probes[(str(model), r, g)] = got
     return _probes[key]
 
 

@@ -8,8 +8,6 @@ its own small surface.
 """
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,22 +19,13 @@ from servers import Server, free_port, http_get
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 from oracle import PROMPTS  # noqa: E402
+from test_oracle import plain_result  # noqa: E402
 
 pytestmark = pytest.mark.slow
 COMMON = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
           "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
           "--no-enable-prefix-caching"]
 MAX_TOKENS = 16
-
-
-def plain_reference(model: Path, out: Path, num_prompts: int) -> dict:
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "oracle.py"), str(model), "--out", str(out),
-         "--num-prompts", str(num_prompts)],
-        capture_output=True, text=True, timeout=600, cwd=out.parent,
-        env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("model_name", ["tiny-qwen3-moe", "tiny-deepseek-v2",
@@ -46,7 +35,8 @@ def test_two_role_serve_matches_plain(models_dir, tmp_path, model_name):
     # MLA on CPU is not batch-invariant run to run (shared reference §8): the
     # DeepSeek models are compared on one prompt, where plain vLLM is stable.
     prompts = PROMPTS if "qwen" in model_name else PROMPTS[:1]
-    plain = plain_reference(model, tmp_path / "plain.json", len(prompts))
+    # The oracle's in-process plain run, shared with test_oracle.py's cases.
+    plain = plain_result(model, tmp_path, num_prompts=len(prompts))
     afd = json.dumps({"connector": "shm", "port": free_port(), "timeout_s": 60})
     ffn = Server(str(model), [*COMMON, "--afd-role", "ffn", "--afd-config", afd],
                  log_path=tmp_path / "ffn.log", env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
