@@ -67,7 +67,7 @@ def find_release(distribution: str, version: str, platform: str,
     """The new release's wheel (cached, or downloaded into the cache); None if the
     index has no such release."""
     stem = f"{distribution.replace('-', '_')}-{version}-"
-    cached = sorted(cache_dir().glob(f"{stem}*.whl"))
+    cached = sorted(cache_dir().glob(f"{stem}*-{platform}.whl"))
     if cached:
         return cached[0]
     cache_dir().mkdir(parents=True, exist_ok=True)
