@@ -63,17 +63,24 @@ def link_error_text(error: BaseException) -> str:
 _failed: deque = deque(maxlen=MAX_REMEMBERED)
 
 
-def fail_step(engine_core, scheduler_output, error: BaseException) -> dict:
+def fail_step(engine_core, scheduler_output, error: BaseException,
+              deferred_output=None) -> dict:
     """EngineCore.step's outputs for a step that lost the FFN: every request
     scheduled in it finishes with FINISHED_ERROR (its KV blocks are freed and
-    the model runner drops it at the next step, as for an abort)."""
+    the model runner drops it at the next step, as for an abort).
+
+    On the batch-queue path (async scheduling, pipeline parallel) a batch whose
+    sampling was deferred fails with it, and batches still in flight fail when
+    they come back; a request already failed is skipped."""
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
     from vllm.v1.request import RequestStatus
 
     scheduler = engine_core.scheduler
     text = link_error_text(error)
-    failed = scheduler.finish_requests(list(scheduler_output.num_scheduled_tokens),
-                                       RequestStatus.FINISHED_ERROR)
+    request_ids = list(scheduler_output.num_scheduled_tokens)
+    if deferred_output is not None:
+        request_ids += [r for r in deferred_output.num_scheduled_tokens if r not in request_ids]
+    failed = scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
     per_client: dict[int, list] = defaultdict(list)
     for request in failed:
         per_client[request.client_index].append(EngineCoreOutput(
