@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """tools/rebase.py on small fixture upstreams built here: three releases of a
-four-file `vllm` package, wheels of two flavors, and a series of five patches that
-meet every case: clean, offset, three-way merge, now upstream, real conflict."""
+six-file `vllm` package, wheels of two flavors, and a series of six patches (five
+common, one cuda) that meet every case: clean, offset, three-way merge, adjacent
+edits, now upstream, real conflict."""
 
 from __future__ import annotations
 
