@@ -136,7 +136,7 @@ def _diff(rel: str, old: str, new: str, tmp: Path) -> str:
 
 @pytest.fixture
 def project(tmp_path, monkeypatch) -> Path:
-    """A project root pinned to 1.0.0 (both flavors) with the five-patch series;
+    """A project root pinned to 1.0.0 (both flavors) with the six-patch series;
     the old wheels sit in the cache, every release in an index directory."""
     root, index, cache = tmp_path / "root", tmp_path / "index", tmp_path / "cache"
     for d in (root / "patches" / "cuda", index, cache):
