@@ -10,26 +10,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import zipfile
-from pathlib import Path
-
-import pytest
 
 import rebase
 from series import apply_patch, load_patch, read_series, split_patch
 from upstream import cache_dir
 
 NEXT = "0.33.0"
-
-
-@pytest.fixture
-def scratch(repo, tmp_path) -> Path:
-    root = tmp_path / "root"
-    root.mkdir()
-    shutil.copy(repo / "upstream.toml", root)
-    shutil.copytree(repo / "patches", root / "patches")
-    return root
 
 
 def test_series_forward_ports_to_next_release(scratch, capsys):

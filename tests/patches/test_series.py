@@ -6,23 +6,10 @@ import re
 import shutil
 from pathlib import Path
 
-import pytest
 
 import check_series
 
 COMMON = "fix_cli_version_from_vllm_afd_distribution.patch"
-
-
-@pytest.fixture
-def scratch(repo, tmp_path) -> Path:
-    """A copy of what the checker reads: the pin, the patches and their docs."""
-    root = tmp_path / "root"
-    root.mkdir()
-    shutil.copy(repo / "upstream.toml", root)
-    shutil.copytree(repo / "patches", root / "patches")
-    (root / "docs").mkdir()
-    shutil.copy(repo / "docs" / "patches.md", root / "docs")
-    return root
 
 
 def run_check(root: Path, capsys, *args: str) -> tuple[int, str]:
