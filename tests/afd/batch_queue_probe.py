@@ -53,6 +53,7 @@ def outcome(outs) -> list[dict]:
 def main() -> None:
     model, out_path, log_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     from vllm import LLM, SamplingParams
+    from vllm.afd.failover import guard_step
 
     afd = {"connector": "tcp", "port": free_port(), "timeout_s": 10}
     ffn = ffn_server(model, afd, log_dir / "ffn-1.log")
@@ -61,19 +62,18 @@ def main() -> None:
         ffn.wait_ready()
         llm = LLM(model=model, afd_role="attention", afd_config=afd, **ARGS)
         core = llm.llm_engine.engine_core.engine_core
-        # What EngineCore.__init__ sets up when max_concurrent_batches > 1.
-        core.batch_queue_size = 2
-        core.batch_queue = deque(maxlen=2)
-        core.step_fn = core.step_with_batch_queue
         params = SamplingParams(temperature=0, max_tokens=16, logprobs=1, ignore_eos=True)
         steps = {"n": 0}
-        real_step = core.step_with_batch_queue
 
         def counted():
             steps["n"] += 1
-            return real_step()
+            return core.step_with_batch_queue()
 
-        core.step_fn = counted
+        # What EngineCore.__init__ sets up when max_concurrent_batches > 1 (with
+        # the AFD seam around it), the step counted.
+        core.batch_queue_size = 2
+        core.batch_queue = deque(maxlen=2)
+        core.step_fn = guard_step(core, counted)
         report["before"] = outcome(llm.generate(PROMPTS, params, use_tqdm=False))
         report["batch_queue_steps"] = steps["n"]
 

@@ -7,9 +7,11 @@ and every request with it. On the attention role the model's mlp layers are a
 network away, so losing them is an expected event. The attention link raises
 AFDLinkDown for it (vllm.afd.link); two seams turn that into request errors:
 
-- EngineCore.step (engine core process): `fail_step` finishes the step's
-  requests with FINISHED_ERROR, returns their outputs and keeps the engine
-  running. The next steps are served as soon as the link is back (the
+- EngineCore.step_fn (engine core process) is `guard_step` around upstream's
+  step, or step_with_batch_queue when several batches are in flight (async
+  scheduling, pipeline parallel): on AFDLinkDown, `fail_step` finishes every
+  in-flight request with FINISHED_ERROR, returns their outputs and keeps the
+  engine running. The next steps are served as soon as the link is back (the
   supervisor in vllm.afd.link reconnects); until then they fail the same way,
   at once, without touching the FFN.
 - The OpenAI serving layer (API server process): `raise_if_link_failed` turns
@@ -20,8 +22,10 @@ The request ids failed this way are published (vllm.afd.link_status) so the
 API server process can tell them from other errors.
 """
 
+import functools
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 
 from vllm.afd import link_status
 from vllm.logger import init_logger
@@ -63,23 +67,37 @@ def link_error_text(error: BaseException) -> str:
 _failed: deque = deque(maxlen=MAX_REMEMBERED)
 
 
-def fail_step(engine_core, scheduler_output, error: BaseException,
-              deferred_output=None) -> dict:
-    """EngineCore.step's outputs for a step that lost the FFN: every request
-    scheduled in it finishes with FINISHED_ERROR (its KV blocks are freed and
-    the model runner drops it at the next step, as for an abort).
+def guard_step(engine_core, step: Callable[[], tuple]) -> Callable[[], tuple]:
+    """EngineCore.step_fn: `step` itself unless this engine is the AFD attention
+    role; there, `step` with a lost FFN turned into failed requests."""
+    afd = getattr(engine_core.vllm_config, "afd_config", None)
+    if afd is None or afd.role != "attention":
+        return step
 
-    On the batch-queue path (async scheduling, pipeline parallel) a batch whose
-    sampling was deferred fails with it, and batches still in flight fail when
-    they come back; a request already failed is skipped."""
+    @functools.wraps(step)
+    def guarded() -> tuple:
+        try:
+            return step()
+        except Exception as e:
+            if not is_link_error(e):
+                raise
+            return fail_step(engine_core, e), True
+
+    return guarded
+
+
+def fail_step(engine_core, error: BaseException) -> dict:
+    """EngineCore.step's outputs for a step that lost the FFN: every running
+    request finishes with FINISHED_ERROR (its KV blocks are freed and the model
+    runner drops it at the next step, as for an abort). All of them were in
+    flight: on the batch-queue path several batches are, and the ones not yet
+    back would fail the same way; a request already finished is skipped."""
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
     from vllm.v1.request import RequestStatus
 
     scheduler = engine_core.scheduler
     text = link_error_text(error)
-    request_ids = list(scheduler_output.num_scheduled_tokens)
-    if deferred_output is not None:
-        request_ids += [r for r in deferred_output.num_scheduled_tokens if r not in request_ids]
+    request_ids = [request.request_id for request in scheduler.running]
     failed = scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ERROR)
     per_client: dict[int, list] = defaultdict(list)
     for request in failed:
