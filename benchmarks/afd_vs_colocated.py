@@ -19,7 +19,7 @@ prefill alone); decode = t(N) - t(1), TPOT = decode / (N - 1), decode
 throughput = B (N - 1) / decode, all of the repeat with the median decode time.
 The headline is the throughput ratio AFD / plain per B and m.
 
-Per decode step the link statistics of both roles (vllm.afd.stats, read before
+Per decode step the link statistics of both roles (vllm/afd/observability/stats.py, read before
 and after each run; decode = N run minus 1 run) split the step: attention
 compute inside the link window, attention work outside it (scheduling,
 embedding, sampling), attention blocked on the link, FFN compute, FFN idle;
@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 from servers import Server, free_port  # noqa: E402
 
-from vllm.afd.stats import LinkStats  # noqa: E402
+from vllm.afd.observability.stats import LinkStats  # noqa: E402
 
 NAME = "afd_vs_colocated"
 PLAIN_CORES, ATTENTION_CORES, FFN_CORES = "0-1", "0", "1"
@@ -543,7 +543,7 @@ def floor_steps(attn, tokens: list[int], hidden: int, dtype, num_layers: int,
     """Step times of sequential round trips: every layer, every micro-batch."""
     import torch
 
-    from vllm.afd.wire import StepHeader
+    from vllm.afd.transport.wire import StepHeader
 
     hs = [torch.randn(n, hidden).to(dtype) for n in tokens]
     times = []
@@ -565,7 +565,7 @@ def floor_for_m(m: int, args: argparse.Namespace, hidden: int, num_layers: int) 
     import torch
 
     from vllm.afd.config import AFDConfig
-    from vllm.afd.connectors.base import create_connector
+    from vllm.afd.transport.connectors.base import create_connector
 
     dtype, port = getattr(torch, args.dtype), free_port()
     conns = {role: create_connector(AFDConfig(role=role, connector="shm", port=port,

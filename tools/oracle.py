@@ -71,7 +71,7 @@ def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int
 def start_inprocess_ffn(llm_kwargs: dict):
     """The FFN role in this process (uniprocessor executor): the loopback
     connector's two ends must share a process."""
-    from vllm.afd.ffn_engine import FFNEngine
+    from vllm.afd.ffn.engine import FFNEngine
     from vllm.engine.arg_utils import EngineArgs
 
     kwargs = dict(llm_kwargs, afd_role="ffn", distributed_executor_backend="uni")

@@ -3,6 +3,7 @@
 //
 // CUDA kernels for afd::gather_rows / afd::scatter_rows. Built only where a
 // CUDA toolchain and a CUDA build of torch exist; checked on a lent GPU.
+#include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -13,14 +14,19 @@ namespace afd {
 namespace {
 
 // One block per row; 16-byte words when the row and both pointers allow.
+// Scatter: `claimed` (one int per output row, zeroed) catches a repeated
+// index on the device, as the CPU kernel does on the host, without a sync.
 template <typename word_t, typename index_t, bool kGather>
 __global__ void move_rows_kernel(const char* __restrict__ src,
                                  const index_t* __restrict__ index,
                                  char* __restrict__ out, int64_t row_bytes,
-                                 int64_t limit) {
+                                 int64_t limit, int* __restrict__ claimed) {
   const int64_t row = blockIdx.x;
   const int64_t other = static_cast<int64_t>(index[row]);
   CUDA_KERNEL_ASSERT(other >= 0 && other < limit);
+  if (!kGather && threadIdx.x == 0) {
+    CUDA_KERNEL_ASSERT(atomicExch(claimed + other, 1) == 0 && "scatter index repeats");
+  }
   const int64_t src_row = kGather ? other : row;
   const int64_t out_row = kGather ? row : other;
   const word_t* s = reinterpret_cast<const word_t*>(src + src_row * row_bytes);
@@ -46,13 +52,16 @@ void move_rows_cuda(const at::Tensor& src, const at::Tensor& index,
   const dim3 grid(static_cast<unsigned>(rows));
   const dim3 block(256);
   auto stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor claimed;
+  if (!kGather) claimed = at::zeros({limit}, src.options().dtype(at::kInt));
+  int* claimed_ptr = kGather ? nullptr : claimed.data_ptr<int>();
   AT_DISPATCH_INDEX_TYPES(idx.scalar_type(), "afd_move_rows", [&] {
     if (wide) {
       move_rows_kernel<uint4, index_t, kGather><<<grid, block, 0, stream>>>(
-          s, idx.data_ptr<index_t>(), o, row_bytes, limit);
+          s, idx.data_ptr<index_t>(), o, row_bytes, limit, claimed_ptr);
     } else {
       move_rows_kernel<uint8_t, index_t, kGather><<<grid, block, 0, stream>>>(
-          s, idx.data_ptr<index_t>(), o, row_bytes, limit);
+          s, idx.data_ptr<index_t>(), o, row_bytes, limit, claimed_ptr);
     }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

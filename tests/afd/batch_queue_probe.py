@@ -53,7 +53,7 @@ def outcome(outs) -> list[dict]:
 def main() -> None:
     model, out_path, log_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     from vllm import LLM, SamplingParams
-    from vllm.afd.failover import guard_step
+    from vllm.afd.attention.failover import guard_step
 
     afd = {"connector": "tcp", "port": free_port(), "timeout_s": 10}
     ffn = ffn_server(model, afd, log_dir / "ffn-1.log")
@@ -93,7 +93,7 @@ def main() -> None:
                 break
             time.sleep(1)
         report.update(after=after, attempts=attempts, back_s=time.monotonic() - t0)
-        from vllm.afd import link  # the engine runs in this process
+        from vllm.afd.attention import runner as link  # the engine runs in this process
 
         report["link"] = link._link.document()
     finally:

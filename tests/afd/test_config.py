@@ -59,7 +59,7 @@ def test_afd_plugin_additional_config_is_mapped():
 @pytest.mark.parametrize("argv, message", [
     (["--afd-config", '{"role": "decoder"}'], "role\n  Input should be 'attention' or 'ffn'"),
     (["--afd-config", '{"connector": "rdma"}'],
-     "connector\n  Input should be 'shm', 'tcp', 'loopback' or 'nccl'"),
+     "AFDConfig.connector: unknown connector 'rdma'; valid names: loopback, nccl, shm, tcp"),
     (["--afd-config", '{"port": 70000}'], "AFDConfig.port: 70000 is not in 1-65535"),
     (["--afd-config", '{"num_ubatches": 5}'], "AFDConfig.num_ubatches: 5 is not in 1-4"),
     (["--afd-config", '{"num_ffn_ranks": 0}'], "AFDConfig.num_ffn_ranks: must be >= 1"),
@@ -127,7 +127,7 @@ def test_llm_kwargs_reach_engine_args():
 def test_model_fingerprint_of_a_real_engine_config():
     """model_fingerprint reads what a real VllmConfig has (test_handshake.py
     covers the items with a stand-in)."""
-    from vllm.afd.fingerprint import model_fingerprint
+    from vllm.afd.model.fingerprint import model_fingerprint
 
     fp = model_fingerprint(parse("--dtype", "float32").create_engine_config())
     assert fp["architecture"] == "Qwen3MoeForCausalLM" and fp["dtype"] == "float32"

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm.afd import wire
+from vllm.afd.transport import wire
 from vllm.afd.config import AFDConfig
-from vllm.afd.connectors import (
+from vllm.afd.transport.connectors import (
     AFDConnectionError,
     AFDTimeoutError,
     ProtocolError,
@@ -28,12 +28,12 @@ from vllm.afd.connectors import (
     create_connector,
     register_connector,
 )
-from vllm.afd.connectors import base as connectors_base
-from vllm.afd.connectors.loopback import LoopbackConnector
-from vllm.afd.connectors.nccl import NcclConnector
-from vllm.afd.connectors.shm import ShmConnector
-from vllm.afd.connectors.tcp import MAGIC, PREFIX, TcpConnector
-from vllm.afd.wire import LayerFrame, StepHeader
+from vllm.afd.transport.connectors import base as connectors_base
+from vllm.afd.transport.connectors.loopback import LoopbackConnector
+from vllm.afd.transport.connectors.nccl import NcclConnector
+from vllm.afd.transport.connectors.shm import ShmConnector
+from vllm.afd.transport.connectors.tcp import MAGIC, PREFIX, TcpConnector
+from vllm.afd.transport.wire import LayerFrame, StepHeader
 
 KINDS = ["loopback", "tcp", "shm", "nccl"]
 HIDDEN = 64
@@ -44,6 +44,8 @@ class FakeNccl:
     """Stands in for PyNccl: communicators meet by unique id within this
     process; send() queues a copy, recv() copies it into the posted tensor and
     insists on matching shape and dtype (real NCCL would corrupt silently)."""
+
+    device_types = ("cpu",)  # the fake moves CPU tensors
 
     def __init__(self) -> None:
         self.queues: dict[tuple, queue.Queue] = defaultdict(queue.Queue)
@@ -176,8 +178,7 @@ def test_full_exchange(kind, num_ubatches, dtype):
              [(7 * u + 3) % cap + 1 for u in range(num_ubatches)]]  # uneven
     try:
         for step_id, tokens in enumerate(plans):
-            flags = wire.DUMMY if step_id == 0 else 0  # the warm-up step
-            attn.send_step(StepHeader(step_id=step_id * 10, num_tokens=tokens, flags=flags))
+            attn.send_step(StepHeader(step_id=step_id * 10, num_tokens=tokens))
             for layer in range(num_layers):
                 hidden = [torch.randn(n, HIDDEN, generator=g).to(dtype) for n in tokens]
                 for u, h in enumerate(hidden):
@@ -818,6 +819,8 @@ def test_shm_creator_unlinks_when_peer_never_attached():
             assert time.monotonic() < deadline
             time.sleep(0.05)
     peer.sendall(raw_frame(attn._hello()))
+    assert read_message(peer).accepted
+    peer.sendall(raw_frame(wire.HelloConfirm(accepted=True)))
     waiter.join_result()
     try:
         assert len(shm_entries(port)) == 2
@@ -870,8 +873,8 @@ def test_registry():
     with pytest.raises(ValueError, match="package.module:ClassName"):
         register_connector("rdma", "not a target")
     with pytest.raises(ValueError, match="already registered"):
-        register_connector("tcp", "vllm.afd.connectors.shm:ShmConnector")
-    register_connector("tcp-again", "vllm.afd.connectors.tcp:TcpConnector")
+        register_connector("tcp", "vllm.afd.transport.connectors.shm:ShmConnector")
+    register_connector("tcp-again", "vllm.afd.transport.connectors.tcp:TcpConnector")
     assert type(create_connector(cfg, name="tcp-again", hidden_size=8, dtype=torch.float32,
                                  max_tokens=1)) is TcpConnector
     with pytest.raises(ValueError, match="float64 cannot travel"):

@@ -21,11 +21,13 @@ from test_connectors import (FAKE_NCCL, HIDDEN, MAX_TOKENS, Background, dial, fr
                              raw_frame, read_message, serve_one_layer)
 from transformers import AutoConfig
 
-from vllm.afd import auth, fingerprint, wire
+from vllm.afd.transport import auth, wire
+from vllm.afd.model import fingerprint
 from vllm.afd.config import AFDConfig
-from vllm.afd.connectors import (AFDConnectionError, ProtocolError, create_connector)
-from vllm.afd.connectors.handshake import REFUSALS_KEPT
-from vllm.afd.wire import AuthChallenge, AuthProof, Hello, HelloAck
+from vllm.afd.transport.connectors import (AFDConnectionError, ProtocolError, create_connector)
+from vllm.afd.transport.connectors.shm import ShmHandshake
+from vllm.afd.transport.handshake import REFUSALS_KEPT
+from vllm.afd.transport.wire import AuthChallenge, AuthProof, Hello, HelloAck
 
 FIX = "set VLLM_AFD_TOKEN (or AFDConfig.token_file) to the same value on both roles"
 
@@ -56,7 +58,7 @@ def captured_logs():
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.DEBUG)
     handler.emit = records.append
-    log = logging.getLogger("vllm.afd.connectors.handshake")
+    log = logging.getLogger("vllm.afd.transport.handshake")
     old_level = log.level
     log.setLevel(logging.INFO)
     log.addHandler(handler)
@@ -393,6 +395,7 @@ def test_forged_proofs_are_refused(tmp_path, forgery):
         assert isinstance(ack, HelloAck)
         try:
             if forgery == "none":
+                sock.sendall(raw_frame(wire.HelloConfirm(accepted=True)))
                 waiter.join_result()
                 assert ack.accepted and ffn.auth_failures == 0
             else:
@@ -514,7 +517,12 @@ def test_ack_contents_from_the_ffn_are_checked():
                   ["vllm-afd-7700-0-a2f-../../x", "vllm-afd-7700-0-f2a-1a2b"],
                   ["vllm-afd-7700-0-f2a-1a2b", "vllm-afd-7700-0-a2f-1a2b"],
                   ["vllm-afd-7700-1-a2f-1a2b", "vllm-afd-7700-1-f2a-1a2b"]):
-        with pytest.raises(ProtocolError, match="HelloAck.shm_segments: expected names "
-                           "vllm-afd-7700-0-"):
-            shm._check_ack(HelloAck(accepted=True, rank=0, shm_segments=names,
-                                    shm_slot_bytes=slot))
+        data = msgspec.msgpack.encode(ShmHandshake(segments=names, slot_bytes=slot))
+        with pytest.raises(ProtocolError, match=r"HelloAck.transport \(shm\) segments: "
+                           "expected names vllm-afd-7700-0-"):
+            shm._on_ack(data)
+    with pytest.raises(ProtocolError, match=r"HelloAck.transport \(shm\): "):
+        shm._on_ack(b"\xc1 not msgpack")
+    with pytest.raises(ProtocolError, match=r"slot_bytes: expected"):
+        shm._on_ack(msgspec.msgpack.encode(ShmHandshake(
+            segments=["vllm-afd-7700-0-a2f-1a2b", "vllm-afd-7700-0-f2a-1a2b"], slot_bytes=8)))

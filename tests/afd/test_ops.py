@@ -5,7 +5,7 @@
 import pytest
 import torch
 
-from vllm.afd import ops
+from vllm.afd.kernels import ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])

@@ -30,10 +30,10 @@ from servers import Server, free_port
 from oracle import PROMPTS
 from test_oracle import ORACLE, assert_same, ffn_server, plain_result
 
-from vllm.afd.batcher import LayerBatcher
+from vllm.afd.ffn.batcher import LayerBatcher
 from vllm.afd.config import AFDConfig
 from vllm.afd.topology import AFDLayoutError, ffn_placement
-from vllm.afd.wire import Routing
+from vllm.afd.transport.wire import Routing
 
 MODEL = "tiny-qwen3-moe"
 
@@ -218,7 +218,7 @@ def test_batcher_joins_peers_in_a_step_into_one_call():
         calls.append((layer, x.shape[0]))
         return x * 2
 
-    b = LayerBatcher(mlp, window_s=5.0)  # long: only "everyone is here" may trigger
+    b = LayerBatcher(mlp, max_tokens=64, window_s=5.0)  # long: only "everyone is here" may trigger
     for peer in (0, 1, 2):
         b.begin(peer)
     outs = {}
@@ -238,6 +238,36 @@ def test_batcher_joins_peers_in_a_step_into_one_call():
         assert torch.equal(outs[p], torch.full((p + 1, 4), 2.0 * p))
 
 
+def test_batcher_never_exceeds_the_ffn_token_budget():
+    """The FFN is sized (and warmed up) for max_tokens: three peers' 8-token
+    calls of one layer with a budget of 20 make two mlp calls (16 + 8), each
+    within it, and every peer still gets its own rows back."""
+    calls = []
+
+    def mlp(layer, x):
+        calls.append(x.shape[0])
+        return x + 1
+
+    b = LayerBatcher(mlp, max_tokens=20, window_s=5.0)
+    for peer in (0, 1, 2):
+        b.begin(peer)
+    outs = {}
+
+    def peer(p):
+        outs[p] = b.compute(0, torch.full((8, 4), float(p)), p)
+
+    threads = [threading.Thread(target=peer, args=(p,)) for p in (0, 1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(calls) == [8, 16] and b.largest == 16
+    for p in (0, 1, 2):
+        assert torch.equal(outs[p], torch.full((8, 4), p + 1.0))
+    with pytest.raises(ValueError, match="sized for 20"):
+        b.compute(0, torch.zeros(21, 4), 0)
+
+
 def test_batcher_joins_routing_with_the_hidden_states():
     """gate_on "attention": each peer's routing rows stay with its tokens in
     the joined call, in the same (peer) order as the hidden states."""
@@ -248,7 +278,7 @@ def test_batcher_joins_routing_with_the_hidden_states():
         # Each row: its hidden value plus its first expert id.
         return x + routing.topk_ids[:, :1].to(x.dtype)
 
-    b = LayerBatcher(mlp, window_s=5.0)
+    b = LayerBatcher(mlp, max_tokens=64, window_s=5.0)
     for peer in (0, 1):
         b.begin(peer)
     outs = {}
@@ -274,7 +304,7 @@ def test_batcher_joins_routing_with_the_hidden_states():
 
 
 def test_batcher_does_not_wait_for_a_peer_between_steps():
-    b = LayerBatcher(lambda layer, x: x + 1, window_s=5.0)
+    b = LayerBatcher(lambda layer, x: x + 1, max_tokens=64, window_s=5.0)
     b.begin(0)
     b.begin(1)
     b.end(1)  # peer 1 finished its step
@@ -284,7 +314,7 @@ def test_batcher_does_not_wait_for_a_peer_between_steps():
 
 
 def test_batcher_window_bounds_the_wait_for_a_slow_peer():
-    b = LayerBatcher(lambda layer, x: x, window_s=0.05)
+    b = LayerBatcher(lambda layer, x: x, max_tokens=64, window_s=0.05)
     b.begin(0)
     b.begin(1)  # in a step, but never sends
     t0 = time.monotonic()

@@ -13,7 +13,8 @@ import threading
 import numpy as np
 import pytest
 
-from vllm.afd.ubatch import PingPong, maybe_ubatch_slices, split_tokens
+from vllm.afd.attention.pingpong import PingPong
+from vllm.afd.attention.runner import maybe_ubatch_slices, split_tokens
 
 
 @pytest.mark.parametrize("tokens, m", [([1] * 32, 2), ([5, 1, 1, 30], 3), ([64], 4),
@@ -66,17 +67,14 @@ def test_turn_ring_orders_frames_layer_by_layer(m):
     """m threads, 3 'layers' each: every send happens in (layer, ubatch)
     order and each receive follows all sends of its layer, as the connector
     contract needs."""
-    import vllm.forward_context as fc
-
-    contexts = [object() for _ in range(m)]
-    pp = PingPong(contexts, [1] * m)
+    current = []  # what follows the turn (vLLM's forward context, in the runner)
+    pp = PingPong([1] * m, on_turn=current.append)
     log, lock = [], threading.Lock()
-    saved = fc._forward_context
 
     def run(u):
         pp.wait_turn(u)
         for layer in range(3):
-            assert fc._forward_context is contexts[u]
+            assert current[-1] == u
             with lock:
                 log.append(("send", layer, u))
             pp.yield_turn(u)
@@ -89,7 +87,6 @@ def test_turn_ring_orders_frames_layer_by_layer(m):
         t.start()
     for t in threads:
         t.join(10)
-    fc._forward_context = saved
     sends = [(layer, u) for kind, layer, u in log if kind == "send"]
     recvs = [(layer, u) for kind, layer, u in log if kind == "recv"]
     assert sends == sorted(sends) and recvs == sorted(recvs)
@@ -99,10 +96,7 @@ def test_turn_ring_orders_frames_layer_by_layer(m):
 
 
 def test_a_failing_ubatch_stops_the_others():
-    import vllm.forward_context as fc
-
-    saved = fc._forward_context
-    pp = PingPong([object(), object()], [1, 1])
+    pp = PingPong([1, 1])
     errors = []
 
     def second():
@@ -116,7 +110,6 @@ def test_a_failing_ubatch_stops_the_others():
     pp.wait_turn(0)
     pp.finish(0, ValueError("FFN gone"))
     t.join(10)
-    fc._forward_context = saved
     # Micro-batch 1 waits for its turn; it gets it, with the failure: it must
     # stop rather than run (its peer's frames are out of order by now).
     assert len(errors) == 1 and "another micro-batch of this step failed" in errors[0]

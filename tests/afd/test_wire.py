@@ -9,8 +9,8 @@ import msgspec
 import pytest
 import torch
 
-from vllm.afd import wire
-from vllm.afd.wire import ErrorFrame, Hello, HelloAck, LayerFrame, ProtocolError, StepHeader
+from vllm.afd.transport import wire
+from vllm.afd.transport.wire import ErrorFrame, Hello, HelloAck, LayerFrame, ProtocolError, StepHeader
 
 
 def hello(**overrides) -> Hello:
@@ -36,19 +36,19 @@ def check(f: LayerFrame, **overrides) -> torch.dtype:
 @pytest.mark.parametrize("message", [
     hello(),
     hello(fingerprint={}),
-    HelloAck(accepted=True, rank=0, shm_segments=["vllm-afd-7700-0-a2f-1a2b3c4d",
-                                                   "vllm-afd-7700-0-f2a-1a2b3c4d"],
-             shm_slot_bytes=4096),
-    HelloAck(accepted=True, nccl_unique_ids=[bytes(range(128)), bytes(128)]),
+    HelloAck(accepted=True, rank=0, group=[0, 1], transport=bytes(range(200))),
+    wire.HelloConfirm(accepted=True),
+    wire.HelloConfirm(accepted=False, reason="HelloAck.transport (shm): bad names"),
     HelloAck(accepted=False, reason="hidden_size: expected 128, received 64"),
     StepHeader(step_id=0, num_tokens=[5]),
-    StepHeader(step_id=2**40, num_tokens=[3, 0, 7, 1], flags=wire.DUMMY),
+    StepHeader(step_id=2**40, num_tokens=[3, 0, 7, 1], flags=wire.SHUTDOWN),
     StepHeader(step_id=0, num_tokens=[], flags=wire.GOODBYE),
     frame(),
     frame(dtype="bfloat16", shape=[0, 4096], nbytes=0),
     frame(topk=2, nbytes=8 * 128 * 4 + 8 * 2 * 8),
     hello(routing_topk=8),
     hello(auth_nonce=bytes(range(32))),
+    hello(device_kind="cuda", transport=b"\x81\xa1k\x01"),
     wire.AuthChallenge(nonce=bytes(range(32)), proof=bytes(32)),
     wire.AuthProof(proof=bytes(range(32))),
     ErrorFrame(text="FFN rank 0: MoE kernel failed"),
@@ -62,8 +62,8 @@ def test_round_trip(message):
 
 
 def test_step_flags():
-    step = StepHeader(step_id=1, num_tokens=[1], flags=wire.DUMMY | wire.SHUTDOWN)
-    assert step.is_dummy and step.is_shutdown and not step.is_goodbye
+    step = StepHeader(step_id=1, num_tokens=[1], flags=wire.SHUTDOWN)
+    assert step.is_shutdown and not step.is_goodbye
 
 
 @pytest.mark.parametrize("data, needle", [
@@ -180,7 +180,7 @@ def test_check_frame_errors(bad, overrides, message):
     (StepHeader(step_id=1, num_tokens=[1]),
      "StepHeader.step_id: expected >= 2 (steps only move forward), received 1"),
     (StepHeader(step_id=3, num_tokens=[1], flags=64),
-     "StepHeader.flags: expected only bits 0x7, received 0x40"),
+     "StepHeader.flags: expected only bits 0x6, received 0x40"),
 ])
 def test_check_step_errors(step, message):
     with pytest.raises(ProtocolError, match="^" + message.replace("[", r"\[").replace(
@@ -189,7 +189,7 @@ def test_check_step_errors(step, message):
 
 
 def test_check_step_accepts():
-    ok = StepHeader(step_id=2, num_tokens=[64, 0], flags=wire.DUMMY)
+    ok = StepHeader(step_id=2, num_tokens=[64, 0])
     assert wire.check_step(ok, num_ubatches=2, max_tokens=64, min_step_id=2) is ok
     bye = StepHeader(step_id=0, num_tokens=[], flags=wire.GOODBYE)
     assert wire.check_step(bye, num_ubatches=2, max_tokens=64, min_step_id=9) is bye

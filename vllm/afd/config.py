@@ -18,7 +18,6 @@ from pydantic.dataclasses import dataclass
 from vllm.utils.hashing import safe_hash
 
 AFDRole = Literal["attention", "ffn"]
-AFDConnectorName = Literal["shm", "tcp", "loopback", "nccl"]
 AFDGatePlacement = Literal["ffn", "attention"]
 MAX_UBATCHES = 4
 
@@ -55,9 +54,10 @@ class AFDConfig:
     """This server's role: 'attention' (API, scheduler, KV cache, attention layers)
     or 'ffn' (runs each layer's MLP/MoE for its attention peers)."""
 
-    connector: AFDConnectorName = "shm"
+    connector: str = "shm"
     """Transport between the roles: 'shm' (same host, shared memory), 'tcp' (across
-    hosts), 'loopback' (in-process, tests) or 'nccl' (CUDA point-to-point)."""
+    hosts), 'loopback' (in-process, tests), 'nccl' (CUDA point-to-point), or any
+    connector registered under the `vllm_afd.connectors` entry-point group."""
 
     host: str = "127.0.0.1"
     """Address the FFN server listens on and attention servers connect to."""
@@ -108,8 +108,13 @@ class AFDConfig:
     peer that reaches its port. Only for trusted, isolated networks."""
 
     def __post_init__(self) -> None:
-        # role, connector and gate_on are Literal fields: pydantic rejects other
-        # values with the field name and the valid choices.
+        # role and gate_on are Literal fields: pydantic rejects other values
+        # with the field name and the valid choices.
+        from vllm.afd.transport.connectors.registry import connector_names
+
+        if self.connector not in connector_names():
+            raise ValueError(f"AFDConfig.connector: unknown connector {self.connector!r}; "
+                             f"valid names: {', '.join(connector_names())}")
         if not self.host:
             raise ValueError("AFDConfig.host: must not be empty")
         if not 1 <= self.port <= 65535:
@@ -132,7 +137,7 @@ class AFDConfig:
 
     def _check_security(self) -> None:
         # Imported here: this module is imported while vllm.config loads.
-        from vllm.afd import auth
+        from vllm.afd.transport import auth
 
         if self.token_file is not None and not self.token_file.strip():
             raise ValueError("AFDConfig.token_file: must not be empty (omit it for no "
@@ -155,6 +160,12 @@ class AFDConfig:
             return (self.connector_extra_config.get("notify", "unix") == "tcp"
                     or not sys.platform.startswith("linux"))
         return self.connector != "loopback"
+
+    def link_config(self):
+        """What the data plane needs of this config (transport/config.py)."""
+        from vllm.afd.transport.config import LinkConfig
+
+        return LinkConfig.of(self)
 
     @property
     def is_attention(self) -> bool:
@@ -202,7 +213,7 @@ class AFDConfig:
         if config.is_attention:
             # Before the engine processes start: they inherit where to publish
             # the link's state for this process's /health (vllm.afd.link_status).
-            from vllm.afd.link_status import prepare_status_dir
+            from vllm.afd.attention.status import prepare_status_dir
 
             prepare_status_dir()
         return config

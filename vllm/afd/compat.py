@@ -1,0 +1,88 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""What AFD needs from the rest of vLLM's configuration (adapter).
+
+`check_vllm_config` refuses, at config time and naming the option, what cannot
+work with AFD:
+
+- `--enable-dbo` / `ubatch_size > 1`: vLLM's own micro-batching would send both
+  of its micro-batches as AFD micro-batch 0; use AFDConfig.num_ubatches.
+- Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, or a feature that forces it): the
+  AFD seams are in the V1 runner.
+- FULL CUDA graphs asked for explicitly (compilation_config.cudagraph_mode)
+  with a connector that cannot be captured: an exchange cannot run inside a
+  graph (none of the shipped connectors can).
+- a connector whose payloads stay on the device (nccl) on another device type.
+
+`resolve_compilation` runs after vLLM chose its splitting ops: on the attention
+role the remote FFN op becomes a splitting op (piecewise graphs capture the
+attention between exchanges; the exchange runs eagerly), and FULL modes that
+were defaults are lowered to piecewise ones, with a log line saying so.
+"""
+
+from vllm.afd.transport.connectors.registry import connector_class
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+# The remote FFN custom op (model/remote_ffn.py registers it).
+REMOTE_FFN_OP = "afd_remote_ffn"
+SPLITTING_OP = f"vllm::{REMOTE_FFN_OP}"
+
+
+class AFDConfigError(ValueError):
+    """A configuration AFD cannot run with; the message names the option."""
+
+
+def check_vllm_config(vllm_config) -> None:
+    import vllm.envs as envs
+
+    afd = vllm_config.afd_config
+    pc = vllm_config.parallel_config
+    if pc.enable_dbo or pc.ubatch_size > 1:
+        option = "--enable-dbo" if pc.enable_dbo else f"ubatch_size={pc.ubatch_size}"
+        raise AFDConfigError(
+            f"{option} (vLLM's dual-batch overlap) cannot be combined with AFD (--afd-role "
+            f"{afd.role}): both would split the step into micro-batches. Remove {option}; "
+            f"AFD's own micro-batch ping-pong is AFDConfig.num_ubatches.")
+    if envs.is_set("VLLM_USE_V2_MODEL_RUNNER") and envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise AFDConfigError(
+            "VLLM_USE_V2_MODEL_RUNNER=1 cannot be combined with AFD (--afd-role "
+            f"{afd.role}): AFD runs in the V1 model runner. Unset VLLM_USE_V2_MODEL_RUNNER.")
+    connector = connector_class(afd.connector)
+    mode = vllm_config.compilation_config.cudagraph_mode  # None unless the user set it
+    if (afd.is_attention and mode is not None and mode.has_full_cudagraphs()
+            and not connector.graph_capturable):
+        raise AFDConfigError(
+            f"compilation_config.cudagraph_mode={mode.name} cannot be combined with the AFD "
+            f"connector {afd.connector!r}: an exchange with the FFN server cannot be captured "
+            f"in a CUDA graph. Use cudagraph_mode PIECEWISE (the default with AFD: graphs "
+            f"capture the attention between exchanges) or NONE.")
+    device = vllm_config.device_config.device_type if vllm_config.device_config else None
+    if not connector.stages_through_host and afd.connector != "loopback" and device:
+        allowed = getattr(connector, "device_types", ("cuda",))
+        if device not in allowed:
+            raise AFDConfigError(
+                f"AFDConfig.connector={afd.connector!r} keeps payloads on the device and "
+                f"needs {'/'.join(allowed)} devices; this server runs on {device}. Use "
+                f"'shm' (same host) or 'tcp', which stage through host memory.")
+
+
+def resolve_compilation(vllm_config) -> None:
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    afd = vllm_config.afd_config
+    if not afd.is_attention:
+        return
+    cc = vllm_config.compilation_config
+    mode = cc.cudagraph_mode
+    if (mode is not None and mode.has_full_cudagraphs()
+            and not connector_class(afd.connector).graph_capturable):
+        lowered = (CUDAGraphMode.PIECEWISE if cc.mode == CompilationMode.VLLM_COMPILE
+                   else CUDAGraphMode.NONE)
+        logger.info("AFD: the %r connector cannot be captured in a CUDA graph; "
+                    "cudagraph_mode %s lowered to %s (graphs capture the attention between "
+                    "exchanges with the FFN)", afd.connector, mode.name, lowered.name)
+        cc.cudagraph_mode = lowered
+    if cc.mode == CompilationMode.VLLM_COMPILE and SPLITTING_OP not in cc.splitting_ops:
+        cc.splitting_ops.append(SPLITTING_OP)

@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""EngineCore in FFN mode: the executor and its workers, no scheduler, no KV cache.
+
+EngineCore.__init__ returns right after building the executor when the role is
+ffn (a patched seam); the workers have loaded only the mlp layers
+(model/split.py). This class starts their FFN loops and reports their state.
+"""
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def is_ffn_engine(vllm_config) -> bool:
+    afd = getattr(vllm_config, "afd_config", None)
+    return afd is not None and afd.is_ffn
+
+
+class FFNEngine:
+    def __init__(self, vllm_config):
+        from vllm.v1.engine.core import EngineCore
+        from vllm.v1.executor import Executor
+
+        if not is_ffn_engine(vllm_config):
+            raise ValueError("FFNEngine needs a config with --afd-role ffn")
+        afd = vllm_config.afd_config
+        if afd.connector == "loopback" and afd.num_ubatches > 1:
+            # Both roles in one process share vLLM's process-wide forward
+            # context, which the ping-pong threads switch while the FFN runs.
+            raise ValueError("AFDConfig.num_ubatches: micro-batching (> 1) needs a connector "
+                             "between processes (shm, tcp or nccl); the loopback "
+                             "connector runs both roles in one process")
+        self.vllm_config = vllm_config
+        self.core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=False)
+        self.core.collective_rpc("afd_start_ffn_loop")
+        logger.info("AFD FFN engine started: workers run the FFN loop, waiting for "
+                    "attention peers on %s:%d (%s)", vllm_config.afd_config.host,
+                    vllm_config.afd_config.port, vllm_config.afd_config.connector)
+
+    def status(self) -> list[dict]:
+        return self.core.collective_rpc("afd_ffn_loop_status", timeout=10)
+
+    def health(self) -> tuple[bool, str]:
+        try:
+            statuses = self.status()
+        except Exception as e:  # a dead worker
+            return False, f"workers unreachable: {e}"
+        for rank, s in enumerate(statuses):
+            if s.get("error"):
+                return False, f"FFN worker {rank}: {s['error']}"
+            if not s.get("running"):
+                return False, f"FFN worker {rank}: loop not running"
+            if not s.get("ready"):
+                return False, f"FFN worker {rank}: warming up"
+        return True, "ok"
+
+    def shutdown(self) -> None:
+        try:
+            self.core.collective_rpc("afd_stop_ffn_loop", timeout=15)
+        except Exception as e:
+            logger.warning("AFD FFN loop stop failed: %s", e)
+        self.core.model_executor.shutdown()

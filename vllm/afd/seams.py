@@ -1,0 +1,201 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""Every function and class the patch series calls (patches/, docs/patches.md).
+
+A patch imports only this module (`import vllm.afd.seams as afd_seams`, or
+`from vllm.afd.seams import X`), so files can move inside vllm/afd without
+touching a patch. Each seam is a no-op, or upstream's own behaviour, when AFD
+is off. Imports are lazy: upstream's platform detection and CLI import this
+module early, and must not pull in the rest of vllm/afd.
+
+    where (upstream)                                   seam
+    config/vllm.py       VllmConfig.afd_config         AFDConfig
+                         __post_init__ (start)         check_vllm_config
+                         __post_init__ (splitting ops) resolve_compilation
+    engine/arg_utils.py  CLI group, create_engine_config  add_afd_cli_args,
+                                                       afd_config_from_cli
+    model_loader         initialize_model, load_weights  build_model, filter_weights
+    models/*             the mlp construction           begin_mlp
+    v1/engine/core.py    EngineCore.__init__, step_fn   is_ffn_engine, guard_step
+    v1/worker/gpu_worker.py  Worker, init_device        AFDWorkerMixin, request_memory
+    v1/worker/gpu_model_runner.py  slices, builders,    maybe_ubatch_slices,
+                         model call, _dummy_run         num_ubatches_for,
+                                                        model_forward, dummy_step
+    entrypoints/cli/serve.py                            is_ffn_role, run_ffn_server
+    entrypoints/serve/middleware/register.py            install_api
+    entrypoints/generate/base/serving.py                raise_if_link_failed
+    entrypoints/cli/main.py, run_batch.py, snapshot/runtime.py,
+    platforms/__init__.py                               distribution_version
+"""
+
+import logging
+from typing import Any
+
+from vllm.afd.version import distribution_version
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AFDConfig", "AFDWorkerMixin", "add_afd_cli_args", "afd_config_from_cli", "begin_mlp",
+    "build_model", "check_vllm_config", "distribution_version", "dummy_step",
+    "filter_weights", "guard_step", "install_api", "is_ffn_engine", "is_ffn_role",
+    "maybe_ubatch_slices", "model_forward", "num_ubatches_for", "raise_if_link_failed",
+    "request_memory", "resolve_compilation", "run_ffn_server",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # Classes a patch names at import time, imported when first asked for.
+    if name == "AFDConfig":
+        from vllm.afd.config import AFDConfig
+
+        return AFDConfig
+    if name == "AFDWorkerMixin":
+        from vllm.afd.worker import AFDWorkerMixin
+
+        return AFDWorkerMixin
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _afd(vllm_config) -> Any:
+    return getattr(vllm_config, "afd_config", None)
+
+
+# ----------------------------------------------------------------- config, CLI
+def add_afd_cli_args(parser) -> None:
+    from vllm.afd.cli import add_afd_cli_args as add
+
+    add(parser)
+
+
+def afd_config_from_cli(afd_config, afd_role, additional_config):
+    from vllm.afd.config import AFDConfig
+
+    return AFDConfig.from_cli(afd_config, afd_role, additional_config)
+
+
+def check_vllm_config(vllm_config) -> None:
+    """Start of VllmConfig.__post_init__: refuse, naming the option, what
+    cannot work with AFD (vllm/afd/compat.py)."""
+    if _afd(vllm_config) is not None:
+        from vllm.afd.compat import check_vllm_config as check
+
+        check(vllm_config)
+
+
+def resolve_compilation(vllm_config) -> None:
+    """After vLLM chose its splitting ops: the remote FFN op splits the graph
+    on the attention role, and FULL graphs are lowered for connectors that
+    cannot be captured (vllm/afd/compat.py)."""
+    if _afd(vllm_config) is not None:
+        from vllm.afd.compat import resolve_compilation as resolve
+
+        resolve(vllm_config)
+
+
+# ------------------------------------------------------------------ the model
+def build_model(vllm_config, construct):
+    from vllm.afd.model.split import build_model as build
+
+    return build(vllm_config, construct)
+
+
+def filter_weights(model, weights):
+    from vllm.afd.model.split import filter_weights as filter_
+
+    return filter_(model, weights)
+
+
+def begin_mlp(vllm_config):
+    from vllm.afd.model.split import begin_mlp as begin
+
+    return begin(vllm_config)
+
+
+# -------------------------------------------------------------------- engine
+def is_ffn_engine(vllm_config) -> bool:
+    afd = _afd(vllm_config)
+    return afd is not None and afd.is_ffn
+
+
+def guard_step(engine_core, step):
+    from vllm.afd.attention.failover import guard_step as guard
+
+    return guard(engine_core, step)
+
+
+# -------------------------------------------------------------------- worker
+def request_memory(vllm_config, init_snapshot, cache_config, external_weight_memory=0):
+    """Worker.init_device's memory request. The FFN role has no KV cache:
+    gpu_memory_utilization (a KV-cache budget) does not apply to it, so it
+    neither checks nor reserves it and can share a GPU with an attention
+    server (docs/architecture.md, "Device rules")."""
+    from vllm.v1.worker.utils import request_memory as upstream
+
+    if is_ffn_engine(vllm_config):
+        logger.info("AFD FFN role: no KV cache; gpu_memory_utilization (%.2f) does not "
+                    "apply (%.2f GiB free of %.2f GiB)", cache_config.gpu_memory_utilization,
+                    init_snapshot.free_memory / 2**30, init_snapshot.total_memory / 2**30)
+        return 0
+    return upstream(init_snapshot, cache_config, external_weight_memory)
+
+
+# -------------------------------------------------------------------- runner
+def num_ubatches_for(vllm_config) -> int:
+    from vllm.afd.attention.runner import num_ubatches_for as count
+
+    return count(vllm_config)
+
+
+def maybe_ubatch_slices(vllm_config, num_scheduled_tokens, num_tokens_padded,
+                        num_reqs_padded, ubatch_slices, ubatch_slices_padded):
+    if _afd(vllm_config) is None:
+        return ubatch_slices, ubatch_slices_padded
+    from vllm.afd.attention.runner import maybe_ubatch_slices as split
+
+    return split(vllm_config, num_scheduled_tokens, num_tokens_padded, num_reqs_padded,
+                 ubatch_slices, ubatch_slices_padded)
+
+
+def model_forward(vllm_config, model, **kwargs):
+    if _afd(vllm_config) is None:
+        return model(**kwargs)
+    from vllm.afd.attention.runner import model_forward as forward
+
+    return forward(vllm_config, model, **kwargs)
+
+
+def dummy_step(vllm_config, is_profile: bool, is_graph_capturing: bool):
+    """A context manager around _dummy_run's model call: names the run."""
+    import contextlib
+
+    if _afd(vllm_config) is None:
+        return contextlib.nullcontext()
+    from vllm.afd.attention.runner import dummy_step as step
+
+    return step(vllm_config, is_profile, is_graph_capturing)
+
+
+# ------------------------------------------------------------------- serving
+def is_ffn_role(args) -> bool:
+    from vllm.afd.ffn.http import is_ffn_role as check
+
+    return check(args)
+
+
+def run_ffn_server(args) -> None:
+    from vllm.afd.ffn.http import run_ffn_server as run
+
+    run(args)
+
+
+def install_api(app, args) -> None:
+    from vllm.afd.attention.http import install
+
+    install(app, args)
+
+
+def raise_if_link_failed(request_id: str) -> None:
+    from vllm.afd.attention.failover import raise_if_link_failed as check
+
+    check(request_id)

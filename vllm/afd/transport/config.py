@@ -1,0 +1,65 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""LinkConfig: what the data plane needs to know about a deployment.
+
+The data plane (transport, the attention link, the ping-pong scheduler, the FFN
+loop) imports nothing from vLLM, so it cannot take vLLM's config objects. The
+adapter turns the user-facing AFDConfig (vllm/afd/config.py) into this plain
+dataclass (AFDConfig.link_config()); the torch-only harness builds one directly.
+The field names are AFDConfig's, so their meaning is documented once, there.
+"""
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+ROLES = ("attention", "ffn")
+MAX_UBATCHES = 4
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    role: str = "attention"
+    connector: str = "shm"
+    host: str = "127.0.0.1"
+    port: int = 7700
+    num_attention_ranks: int = 1
+    num_ffn_ranks: int = 1
+    num_ubatches: int = 1
+    timeout_s: float = 60.0
+    connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    token_file: str | None = None
+    allow_insecure: bool = False
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"LinkConfig.role: {self.role!r} is not one of {ROLES}")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"LinkConfig.port: {self.port} is not in 1-65535")
+        if self.num_attention_ranks < 1 or self.num_ffn_ranks < 1:
+            raise ValueError("LinkConfig: num_attention_ranks and num_ffn_ranks must be >= 1")
+        if not 1 <= self.num_ubatches <= MAX_UBATCHES:
+            raise ValueError(f"LinkConfig.num_ubatches: {self.num_ubatches} is not in "
+                             f"1-{MAX_UBATCHES}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"LinkConfig.timeout_s: must be > 0, got {self.timeout_s}")
+
+    @classmethod
+    def of(cls, config: Any) -> "LinkConfig":
+        """A LinkConfig from one, or from any object with the same fields
+        (AFDConfig), field by field."""
+        if isinstance(config, cls):
+            return config
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+
+    def replace(self, **changes: Any) -> "LinkConfig":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return LinkConfig(**values)
+
+    @property
+    def is_attention(self) -> bool:
+        return self.role == "attention"
+
+    @property
+    def is_ffn(self) -> bool:
+        return self.role == "ffn"

@@ -1,0 +1,417 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""AFDConnector: how an attention rank and its FFN server exchange hidden states.
+
+One connector object per rank and role, made of three parts:
+
+- the per-role protocol state: attention_side.py (send_step, send_hidden,
+  recv_output) and ffn_side.py (recv_step, recv_hidden, routing, send_output);
+- the handshake and authentication (../handshake.py);
+- the transport hooks a concrete connector implements (hooks.py): shm, tcp,
+  loopback, nccl, or any registered one.
+
+This file holds what they share: construction, lifecycle, and the message
+helpers every check goes through.
+
+Routing (AFDConfig.gate_on == "attention"): a connector built with
+routing_topk=k > 0 lets the attention side pass the MoE router's decision with
+the hidden states, send_hidden(layer, u, h, routing=wire.Routing(weights, ids))
+(float32 and int32, [tokens, k]; dense layers pass none), in the same payload.
+The FFN side still gets h from recv_hidden; routing(peer, u) then returns what
+came with it. Both sides must agree on k (Hello.routing_topk).
+
+Devices: a connector is built with the device of its consumer (the attention
+rank's hidden states, the FFN worker's weights), never guessed inside a thread.
+Received tensors land on that device, or in the caller's `out`, ordered on the
+current stream (see ../device.py and ../buffers.py).
+
+Contract shared by every transport (the checks live here, once):
+  * Outputs come back in the order hidden states were sent, one in flight per
+    micro-batch; each received frame is checked against the expected step,
+    layer, micro-batch, dtype and shape before its payload is touched.
+  * Received tensors may be transport buffers. Attention side: recv_output's
+    tensor (without out) is valid until the next send_hidden on the same
+    micro-batch. FFN side: recv_hidden's tensor is valid until send_output on
+    the same (peer, micro-batch). Treat them as read-only; copy to keep.
+  * Sent tensors may be read after send_* returns (zero-copy sends): do not
+    modify them in place before the peer's answer for that micro-batch arrives.
+  * Every wait is bounded by timeout_s, except recv_step, which waits for the
+    next step as long as the peer is connected (an idle server is not an
+    error). A peer that closes, dies or sends garbage raises
+    AFDConnectionError / ProtocolError naming the peer and what was awaited;
+    a peer's ErrorFrame raises AFDConnectionError with the peer's text.
+  * After any error the connector is unusable (the stream may be out of
+    sync); the peer is told with an ErrorFrame when possible so it fails
+    fast too. close() is idempotent and releases everything.
+  * One thread drives a connector, except on the FFN side after connect():
+    one thread per peer may then call recv_step / recv_hidden / send_output
+    for its own peer (per-peer state is keyed by peer). close() may come from
+    any thread to interrupt a blocked connect or receive; the blocked call then
+    raises AFDConnectionError ("... was closed ...").
+"""
+
+import logging
+import threading
+import time
+from typing import Any
+
+import msgspec
+import torch
+
+from vllm.afd.transport import wire
+from vllm.afd.transport.config import LinkConfig
+from vllm.afd.transport.connectors.attention_side import AttentionSide
+from vllm.afd.transport.connectors.ffn_side import FFNSide
+from vllm.afd.transport.connectors.hooks import TransportHooks
+from vllm.afd.transport.device import DeviceOps
+from vllm.afd.transport.errors import (AFDConnectionError, AFDTimeoutError, LinkClosed,
+                                       LinkTimeout, WaitCallback, What)
+from vllm.afd.transport.handshake import HandshakeMixin
+from vllm.afd.transport.wire import ErrorFrame, LayerFrame, ProtocolError, StepHeader
+
+logger = logging.getLogger(__name__)
+
+# Seconds between "still waiting" log lines.
+LOG_INTERVAL_S = 5.0
+# Best-effort messages on the way out (GOODBYE, ErrorFrame) wait at most this.
+FAREWELL_TIMEOUT_S = 1.0
+
+
+class AFDConnector(AttentionSide, FFNSide, HandshakeMixin, TransportHooks):
+    def __init__(self, config: Any, *, hidden_size: int, dtype: torch.dtype,
+                 max_tokens: int, rank: int = 0,
+                 fingerprint: dict[str, str] | None = None, ffn_rank: int | None = None,
+                 ffn_group: list[int] | None = None, routing_topk: int = 0,
+                 device: torch.device | str = "cpu") -> None:
+        """config: a LinkConfig (or an AFDConfig, read field by field).
+        device: where received tensors go (the consumer's device)."""
+        config = LinkConfig.of(config)
+        if hidden_size < 1 or max_tokens < 1:
+            raise ValueError(f"AFD connector: hidden_size ({hidden_size}) and max_tokens "
+                             f"({max_tokens}) must be >= 1")
+        if not 0 <= routing_topk <= wire.MAX_TOPK:
+            raise ValueError(f"AFD connector: routing_topk ({routing_topk}) is not in 0-"
+                             f"{wire.MAX_TOPK}")
+        unknown = sorted(set(config.connector_extra_config) - self.extra_config_keys)
+        if unknown:
+            raise ValueError(f"AFDConfig.connector_extra_config: unknown key(s) {unknown} for "
+                             f"connector {self.name!r}; valid keys: "
+                             f"{sorted(self.extra_config_keys)}")
+        wire.dtype_name(dtype)  # ValueError for dtypes that cannot travel
+        ranks = config.num_attention_ranks if config.is_attention else config.num_ffn_ranks
+        if not 0 <= rank < ranks:
+            raise ValueError(f"AFD connector: {config.role} rank {rank} is not in 0-"
+                             f"{ranks - 1}")
+        self.afd_config = config  # the LinkConfig (name kept for transports)
+        self.role = config.role
+        self.rank = rank
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.max_tokens = max_tokens
+        self.routing_topk = routing_topk
+        self.device = torch.device(device)
+        self.ops = DeviceOps(self.device)
+        # The largest payload: a full micro-batch, with its routing if any.
+        self.max_bytes = wire.frame_nbytes(dtype, [max_tokens, hidden_size], routing_topk)
+        self.timeout_s = config.timeout_s
+        self.num_ubatches = config.num_ubatches
+        self.fingerprint = dict(fingerprint or {})
+        # FFN rank f listens on port + f. Attention rank a talks to FFN rank
+        # a % num_ffn_ranks and, when that rank is one of a tensor/expert
+        # parallel group (HelloAck.group), to every member of the group
+        # (ffn_rank names the member; vllm/afd/topology.py has the rules).
+        if self.is_attention:
+            self.ffn_rank = rank % config.num_ffn_ranks if ffn_rank is None else ffn_rank
+        else:
+            self.ffn_rank = rank
+        if not 0 <= self.ffn_rank < config.num_ffn_ranks:
+            raise ValueError(f"AFD connector: FFN rank {self.ffn_rank} is not in 0-"
+                             f"{config.num_ffn_ranks - 1}")
+        # FFN side: the ranks of this rank's group, lead first ([rank]: no group).
+        # Attention side: filled from the FFN's HelloAck.
+        self.ffn_group = list(ffn_group) if ffn_group else [self.ffn_rank]
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.me = f"AFD {self.role} rank {rank}"
+        self._links: dict[int, Any] = {}  # peer -> transport link
+        self._connected = False
+        self._closed = False
+        self._failure: str | None = None
+        self._closing = threading.Event()  # lets close() interrupt connect()'s waits
+        self._announced: dict[int, int] = {}  # peer -> payload length of its last message
+        self._views: dict[Any, tuple] = {}  # see _typed_view
+        self._init_attention_state()
+        self._init_ffn_state()
+        # The shared secret and the handshake counters (handshake.py).
+        self._init_handshake()
+
+    # ----------------------------------------------------------------- identity
+    @property
+    def is_attention(self) -> bool:
+        return self.role == "attention"
+
+    def peer_name(self, peer: int) -> str:
+        return f"FFN rank {self.ffn_rank}" if self.is_attention else f"attention rank {peer}"
+
+    def expected_peers(self) -> list[int]:
+        """Attention ranks served by this FFN rank (the FFN's `peer` values)."""
+        cfg = self.afd_config
+        return [a for a in range(cfg.num_attention_ranks)
+                if a % cfg.num_ffn_ranks in self.ffn_group]
+
+    @property
+    def connected_peers(self) -> list[int]:
+        return sorted(p for p in self._links if p >= 0) if self._connected else []
+
+    # --------------------------------------------------------------- lifecycle
+    def connect(self) -> None:
+        """Block until the peer(s) are there and the handshake passed; raise
+        AFDTimeoutError after timeout_s."""
+        if self._closed:
+            raise AFDConnectionError(f"{self.me}: connect() after close()")
+        if self._connected:
+            return
+        try:
+            self._open(time.monotonic() + self.timeout_s)
+        except BaseException:
+            self._close_transport()
+            self._links.clear()
+            raise
+        self._connected = True
+        logger.info("%s connected via %s at %s (peers: %s)", self.me, self.name, self.address,
+                    ", ".join(self.peer_name(p) for p in self.connected_peers))
+
+    def accept(self) -> None:
+        """The FFN side's connect(): wait for its attention ranks."""
+        self.connect()
+
+    def close(self) -> None:
+        """Say goodbye to the peers (best effort) and release sockets, buffers
+        and shared memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._closing.set()
+        if self._connected and self._failure is None:
+            goodbye = StepHeader(step_id=0, num_tokens=[], flags=wire.GOODBYE)
+            self._farewell(goodbye)
+        try:
+            self._close_transport()
+        finally:
+            # self._links stays: another thread blocked in this connector may
+            # still look its link up, and must get a clean error, not a KeyError.
+            self._connected = False
+            logger.debug("%s closed (sent %d bytes, received %d bytes)", self.me,
+                         self.bytes_sent, self.bytes_received)
+
+    def report_error(self, text: str) -> None:
+        """Tell every peer this side hit a fatal error; the connector is then
+        unusable. Use it when the model fails mid-step so the peer fails fast,
+        with this text."""
+        if self._connected and self._failure is None:
+            self._farewell(ErrorFrame(text=f"{self.me}: {text}"[:wire.MAX_TEXT]))
+        self._failure = self._failure or f"reported error: {text}"
+
+    def __enter__(self) -> "AFDConnector":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------- internals
+    def _require(self, role: str, peer: int | None = None) -> None:
+        if self.role != role:
+            raise ValueError(f"{self.me}: this is the {role} side's API")
+        if self._failure is not None:
+            raise AFDConnectionError(f"{self.me} is unusable after an earlier error: "
+                                     f"{self._failure}")
+        if not self._connected:
+            raise AFDConnectionError(f"{self.me}: not connected (call connect() first"
+                                     f"{'; it was closed' if self._closed else ''})")
+        if peer is not None and peer not in self._links:
+            raise ValueError(f"{self.me}: {self.peer_name(peer)} is not connected "
+                             f"(connected: {self.connected_peers})")
+
+    def _check_local(self, t: torch.Tensor, shape: list[int], what: What) -> None:
+        """Our own caller's tensors: a mismatch is a bug on this side."""
+        if list(t.shape) != shape or t.dtype != self.dtype:
+            raise ValueError(f"{self.me}: {what}: expected shape {shape} {self.dtype}, got "
+                             f"{list(t.shape)} {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{self.me}: {what} must be contiguous")
+
+    def _wait_budget(self, deadline: float, waited_for: str, timeout_message: str) -> float:
+        """Seconds left before deadline in a connect wait; raise if close() was
+        called meanwhile or no time is left."""
+        remaining = deadline - time.monotonic()
+        if self._closing.is_set():
+            raise AFDConnectionError(f"{self.me} was closed while it waited for {waited_for}")
+        if remaining <= 0:
+            raise AFDTimeoutError(timeout_message)
+        return remaining
+
+    def _waiter(self, what: "str | What", deadline: float | None,
+                connecting: bool = False) -> WaitCallback:
+        """A callback transports call while blocked, logging every few seconds
+        what this side waits for: info while connecting, a warning for a late
+        answer, debug for an idle wait without deadline."""
+        start = time.monotonic()
+        limit = None if deadline is None else deadline - start
+        next_log = [LOG_INTERVAL_S]
+
+        def on_wait() -> None:
+            waited = time.monotonic() - start
+            if waited < next_log[0]:
+                return
+            next_log[0] = waited + LOG_INTERVAL_S
+            budget = f"{waited:.0f}s/{limit:.0f}s" if limit is not None else f"{waited:.0f}s"
+            log = (logger.info if connecting else
+                   logger.debug if limit is None else logger.warning)
+            log("%s waiting for %s at %s (%s)", self.me, what, self.address, budget)
+
+        return on_wait
+
+    def _send_message(self, peer: int, message: wire.Message,
+                      payload: torch.Tensor | None = None, *, what: "str | What",
+                      deadline: float | None = None) -> None:
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
+        header = wire.encode(message)
+        frame = message if isinstance(message, LayerFrame) else None
+        try:
+            self._transmit(peer, header, frame, payload, deadline)
+        except (LinkTimeout, LinkClosed) as e:
+            raise self._link_error(e, self.peer_name(peer), what, "send") from None
+
+    def _recv_checked(self, peer: int, kind: type, what: "str | What",
+                      deadline: float | None,
+                      on_wait: WaitCallback | None = None, peer_label: str | None = None):
+        """The next message from peer, which must be of kind (not a payload frame
+        unless kind is LayerFrame); its announced payload length is kept in
+        self._announced[peer] for _recv_tensor."""
+        label = peer_label or self.peer_name(peer)
+        on_wait = on_wait or self._waiter(What("{} from {}", what, label), deadline)
+        try:
+            data, announced = self._receive(peer, deadline, on_wait)
+            self.bytes_received += len(data)
+            message = wire.decode(data, source=label)
+            if isinstance(message, ErrorFrame):
+                raise self._fail(AFDConnectionError(
+                    f"{label} reported a fatal error while {self.me} waited for {what}: "
+                    f"{message.text}"), notify=False)
+            if isinstance(message, StepHeader) and message.is_goodbye and kind is not StepHeader:
+                raise self._fail(AFDConnectionError(
+                    f"{label} closed the connection (goodbye) while {self.me} waited for "
+                    f"{what}"), notify=False)
+            wire.expect(message, kind, source=label, waiting_for=what)
+            if kind is not LayerFrame and announced:
+                raise ProtocolError(f"{type(message).__name__} from {label} announced a "
+                                    f"payload of {announced} bytes; only LayerFrames carry one")
+        except (LinkTimeout, LinkClosed) as e:
+            raise self._link_error(e, label, what, "receive") from None
+        except ProtocolError as e:
+            raise self._fail(e) from None
+        self._announced[peer] = announced
+        return message
+
+    def _recv_tensor(self, peer: int, what: What, *, step_id: int, layer_id: int,
+                     ubatch_id: int, shape: list[int], routing_topk: int = 0,
+                     out: torch.Tensor | None = None
+                     ) -> "tuple[torch.Tensor, wire.Routing | None]":
+        """The checked tensor of the next frame (written into out, if given),
+        and the routing it carries (frames may carry routing of width
+        routing_topk; 0: none allowed)."""
+        deadline = time.monotonic() + self.timeout_s
+        frame = self._recv_checked(peer, LayerFrame, what, deadline)
+        routing = None
+        try:
+            dtype = wire.check_frame(frame, step_id=step_id, layer_id=layer_id,
+                                     ubatch_id=ubatch_id, max_bytes=self.max_bytes,
+                                     expected_shape=shape, dtype=self.dtype,
+                                     routing_topk=routing_topk,
+                                     context=What("from {}, {}", self.peer_name(peer), what))
+            announced = self._announced.get(peer, 0)
+            if frame.topk:
+                # The transports move bytes; the routed layout is ours to split.
+                raw_frame = msgspec.structs.replace(frame, dtype="uint8", shape=[frame.nbytes])
+                raw = self._receive_payload(peer, raw_frame, torch.uint8, announced, deadline,
+                                            None)
+                tensor, routing = wire.split_routed(raw, dtype, frame.shape, frame.topk)
+                if out is not None:
+                    self.ops.copy(out, tensor)
+                    tensor = out
+            else:
+                tensor = self._receive_payload(peer, frame, dtype, announced, deadline, out)
+        except ProtocolError as e:
+            raise self._fail(e) from None
+        except (LinkTimeout, LinkClosed) as e:
+            raise self._link_error(e, self.peer_name(peer), what, "payload") from None
+        return tensor, routing
+
+    _LINK_ERROR_WORDS = {  # action: (timed out ..., while me ...)
+        "send": ("sending {what} to", "was sending {what}"),
+        "receive": ("waiting for {what} from", "waited for {what}"),
+        "payload": ("receiving the payload of {what} from", "received the payload of {what}"),
+    }
+
+    def _link_error(self, error: Exception, label: str, what: "str | What",
+                    action: str) -> Exception:
+        """The connector's exception for a transport's LinkTimeout/LinkClosed."""
+        timed_out, doing = (w.format(what=what) for w in self._LINK_ERROR_WORDS[action])
+        if self._closed:  # close() from another thread interrupted the wait
+            return AFDConnectionError(f"{self.me} was closed while it {doing}")
+        if isinstance(error, LinkTimeout):
+            hint = " (peer not reading?)" if action == "send" else ""
+            return self._fail(AFDTimeoutError(
+                f"{self.me} timed out after {self.timeout_s:g}s {timed_out} {label} at "
+                f"{self.address}{hint}"))
+        return self._fail(AFDConnectionError(
+            f"{label} at {self.address} closed the connection ({error}) while {self.me} "
+            f"{doing}"), notify=False)
+
+    def _typed_view(self, key: Any, buffer: torch.Tensor, dtype: torch.dtype,
+                    shape: list[int]) -> torch.Tensor:
+        """The first bytes of a uint8 transport buffer as a tensor of dtype and
+        shape. Cached per key: steps repeat their shapes, and building the view
+        costs more than everything else a small message needs. Each call returns
+        a fresh alias (detach), so a caller's in-place metadata change (squeeze_,
+        resize_) cannot corrupt the cached view."""
+        shape = tuple(shape)
+        cached = self._views.get(key)
+        if (cached is not None and cached[0] is buffer and cached[1] == dtype
+                and cached[2] == shape):
+            return cached[3].detach()
+        nbytes = wire.payload_nbytes(dtype, shape)
+        view = buffer[:nbytes].view(dtype).view(shape)
+        self._views[key] = (buffer, dtype, shape, view)
+        return view.detach()
+
+    def _fail(self, error: Exception, notify: bool = True) -> Exception:
+        """Mark the connector unusable and, unless the peer is gone, tell it."""
+        if self._failure is None:
+            self._failure = f"{type(error).__name__}: {error}"
+            if notify and self._connected:
+                self._farewell(ErrorFrame(text=f"{self.me}: {self._failure}"[:wire.MAX_TEXT]))
+        return error
+
+    def _farewell(self, message: wire.Message) -> None:
+        """Best-effort last message to every peer; errors are ignored."""
+        header = wire.encode(message)
+        for peer in list(self._links):
+            if peer < 0:
+                continue
+            try:
+                self._transmit(peer, header, None, None, time.monotonic() + FAREWELL_TIMEOUT_S)
+            except Exception as e:  # the peer may be gone already
+                logger.debug("%s: could not send %s to %s: %s", self.me,
+                             type(message).__name__, self.peer_name(peer), e)
+
+
+# The registry needs AFDConnector; importing it last keeps
+# `from vllm.afd.transport.connectors.base import create_connector` working.
+from vllm.afd.transport.connectors.registry import (  # noqa: E402
+    connector_class, connector_names, create_connector, register_connector)
+
+__all__ = ["AFDConnectionError", "AFDConnector", "AFDTimeoutError", "LinkClosed",
+           "LinkTimeout", "What", "WaitCallback", "LOG_INTERVAL_S", "connector_class",
+           "connector_names", "create_connector", "register_connector"]

@@ -1,0 +1,98 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""The FFN side's protocol state: per attention peer, its step and what awaits output.
+
+    header = conn.recv_step(peer)
+    for layer in layers:
+        for u in range(len(header.num_tokens)):
+            h = conn.recv_hidden(peer, layer, u)      # on the connector's device
+            conn.send_output(peer, layer, u, mlp(h, conn.routing(peer, u)))
+
+After connect(), one thread per peer may drive its own peer's conversation.
+Mixed into AFDConnector (base.py), whose message helpers it uses.
+"""
+
+import time
+
+import torch
+
+from vllm.afd.transport import wire
+from vllm.afd.transport.errors import What
+from vllm.afd.transport.wire import ProtocolError, StepHeader
+
+
+class FFNSide:
+    def _init_ffn_state(self) -> None:
+        self._peer_steps: dict[int, StepHeader] = {}
+        # (peer, ubatch) -> (layer, shape) of hidden states awaiting output
+        self._awaiting: dict[tuple[int, int], tuple[int, list[int]]] = {}
+        self._routings: dict[tuple[int, int], wire.Routing | None] = {}  # see routing()
+
+    def recv_step(self, peer: int = 0, timeout_s: float | None = None) -> StepHeader:
+        """Wait for peer's next StepHeader; by default as long as the peer stays
+        connected. A header with is_goodbye or is_shutdown ends the peer's
+        conversation."""
+        self._require("ffn", peer)
+        last = self._peer_steps.get(peer)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        header = self._recv_checked(peer, StepHeader, "the next step", deadline)
+        try:
+            wire.check_step(header, num_ubatches=self.num_ubatches,
+                            max_tokens=self.max_tokens,
+                            min_step_id=last.step_id + 1 if last else 0,
+                            context=f"from {self.peer_name(peer)}")
+        except ProtocolError as e:
+            raise self._fail(e) from None
+        if not (header.is_goodbye or header.is_shutdown):
+            self._peer_steps[peer] = header
+        return header
+
+    def recv_hidden(self, peer: int, layer_id: int, ubatch_id: int) -> torch.Tensor:
+        """Wait (up to timeout_s) for peer's hidden states of (layer, ubatch),
+        on the connector's device, ordered on the current stream. The tensor
+        may be a transport buffer, valid until send_output on the same
+        (peer, ubatch)."""
+        self._require("ffn", peer)
+        step = self._peer_steps.get(peer)
+        if step is None:
+            raise ValueError(f"{self.me}: recv_hidden before recv_step from "
+                             f"{self.peer_name(peer)}")
+        if not 0 <= ubatch_id < len(step.num_tokens):
+            raise ValueError(f"{self.me}: ubatch {ubatch_id} is not in step {step.step_id} "
+                             f"of {self.peer_name(peer)} ({len(step.num_tokens)} ubatches)")
+        shape = [step.num_tokens[ubatch_id], self.hidden_size]
+        what = What("the hidden states of layer {} ubatch {} of step {}", layer_id, ubatch_id,
+                    step.step_id)
+        h, routing = self._recv_tensor(peer, what, step_id=step.step_id, layer_id=layer_id,
+                                       ubatch_id=ubatch_id, shape=shape,
+                                       routing_topk=self.routing_topk)
+        self._awaiting[(peer, ubatch_id)] = (layer_id, shape)
+        self._routings[(peer, ubatch_id)] = routing
+        return h
+
+    def routing(self, peer: int, ubatch_id: int) -> wire.Routing | None:
+        """The routing that came with the last recv_hidden of (peer, ubatch), or
+        None (a dense layer, or gate_on "ffn"). Same device and lifetime as
+        that recv_hidden's tensor."""
+        return self._routings.get((peer, ubatch_id))
+
+    def send_output(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> None:
+        """Send the FFN output of (layer, ubatch) back to peer."""
+        self._require("ffn", peer)
+        awaited = self._awaiting.get((peer, ubatch_id))
+        if awaited is None or awaited[0] != layer_id:
+            raise ValueError(f"{self.me}: send_output(layer {layer_id}, ubatch {ubatch_id}) "
+                             f"to {self.peer_name(peer)} without its hidden states "
+                             f"(awaiting: {awaited})")
+        step = self._peer_steps[peer]
+        self._check_local(out, awaited[1], What("output of layer {} ubatch {}", layer_id,
+                                                 ubatch_id))
+        frame = wire.layer_frame(out, step_id=step.step_id, layer_id=layer_id,
+                                 ubatch_id=ubatch_id)
+        # The peer may overwrite the hidden states' buffer once it has the
+        # output: they must have been copied out of it.
+        self._release_received(peer, ubatch_id)
+        self._send_message(peer, frame, out, what=What(
+            "layer {} ubatch {} output of step {}", layer_id, ubatch_id, step.step_id))
+        del self._awaiting[(peer, ubatch_id)]
+        self._routings.pop((peer, ubatch_id), None)

@@ -1,0 +1,311 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""The connector handshake: Hello from the attention side, HelloAck from the FFN,
+with a challenge-response in between when the FFN has a secret (auth.py), and a
+HelloConfirm from the attention side once its own checks of the ack passed.
+
+Mixed into AFDConnector (connectors/base.py); it relies on the connector's
+message helpers (_send_message, _recv_checked, _waiter) and its fields.
+
+The FFN side never lets a bad peer take it down: a stray client, a peer that
+fails authentication and a peer with a mismatched configuration are each told
+why (when it is an AFD peer), logged, counted and dropped, and the FFN keeps
+accepting. Order of the checks on the FFN side: protocol version (so old peers
+learn why), then authentication, and only then the configuration, so an
+unauthenticated peer learns nothing about the model being served.
+"""
+
+import logging
+from collections import deque
+from typing import Any, ClassVar
+
+from vllm.afd.transport import auth, wire
+from vllm.afd.transport.errors import AFDConnectionError
+from vllm.afd.transport.wire import (AuthChallenge, AuthProof, Hello, HelloAck, HelloConfirm,
+                                     ProtocolError)
+
+logger = logging.getLogger(__name__)
+
+# Refusal reasons kept for reports (AFDConnector.refusals); older ones drop out,
+# so a peer retrying in a loop cannot grow the list without bound.
+REFUSALS_KEPT = 32
+
+
+class _Dropped(Exception):
+    """Internal: the FFN dropped the connection being handshaken (already logged
+    and counted)."""
+
+
+class HandshakeMixin:
+    # Transports whose peers live in other processes set this: they prove the
+    # shared secret, when one is set (in-process loopback has nothing to prove).
+    authenticates: ClassVar[bool] = False
+
+    def _init_handshake(self) -> None:
+        """Called by AFDConnector.__init__: the secret and the handshake counters."""
+        self._secret = (auth.load_secret(self.afd_config.token_file)
+                        if self.authenticates else None)
+        # FFN side: connections dropped or refused during the handshake (stray
+        # clients, authentication failures, mismatched configurations).
+        self.handshake_failures = 0
+        # Either side: handshakes that failed authentication (wrong or missing
+        # secret on either end).
+        self.auth_failures = 0
+        # FFN side: "<peer>: <reason>" of the latest refused peers, oldest first.
+        self.refusals: deque[str] = deque(maxlen=REFUSALS_KEPT)
+
+    @property
+    def has_secret(self) -> bool:
+        return self._secret is not None
+
+    @property
+    def last_refusal(self) -> str | None:
+        return self.refusals[-1] if self.refusals else None
+
+    # ------------------------------------------------------------ the Hello
+    def _hello(self, auth_nonce: bytes = b"") -> Hello:
+        cfg = self.afd_config
+        return Hello(protocol_version=wire.PROTOCOL_VERSION, role=self.role, rank=self.rank,
+                     num_attention_ranks=cfg.num_attention_ranks,
+                     num_ffn_ranks=cfg.num_ffn_ranks, num_ubatches=cfg.num_ubatches,
+                     hidden_size=self.hidden_size, dtype=wire.dtype_name(self.dtype),
+                     max_tokens=self.max_tokens, connector=self.name,
+                     fingerprint=self.fingerprint, routing_topk=self.routing_topk,
+                     auth_nonce=auth_nonce, device_kind=self.device.type,
+                     transport=self._hello_transport())
+
+    def _hello_problems(self, hello: Hello) -> list[str]:
+        """Why the FFN must refuse this Hello (empty: accept)."""
+        mine = self._hello()
+        problems = []
+
+        def differ(field: str, expected, received) -> None:
+            problems.append(f"{field}: expected {expected!r}, received {received!r}")
+
+        for field in ("protocol_version", "num_attention_ranks", "num_ffn_ranks",
+                      "hidden_size", "dtype", "connector", "routing_topk"):
+            if getattr(hello, field) != getattr(mine, field):
+                differ(field, getattr(mine, field), getattr(hello, field))
+        if hello.role != "attention":
+            differ("role", "attention", hello.role)
+        if (hello.device_kind and hello.device_kind != mine.device_kind
+                and not self.stages_through_host):
+            problems.append(
+                f"device_kind: expected {mine.device_kind!r}, received {hello.device_kind!r} "
+                f"(connector {self.name!r} keeps payloads on the device; peers on different "
+                f"device kinds need one that stages through host memory, e.g. 'shm' or "
+                f"'tcp')")
+        if not 1 <= hello.num_ubatches <= self.num_ubatches:
+            # The FFN serves any micro-batch count up to its own.
+            differ("num_ubatches", f"1 to {self.num_ubatches}", hello.num_ubatches)
+        if hello.max_tokens > self.max_tokens:
+            differ("max_tokens", f"at most {self.max_tokens}", hello.max_tokens)
+        if hello.rank not in self.expected_peers():
+            differ("rank", f"one of {self.expected_peers()}", hello.rank)
+        elif hello.rank in self._links:
+            problems.append(f"rank: attention rank {hello.rank} is already connected")
+        unavailable = wire.FINGERPRINT_UNAVAILABLE
+        for key in sorted(set(hello.fingerprint) & set(self.fingerprint)):
+            expected, received = self.fingerprint[key], hello.fingerprint[key]
+            # An item one side could not compute (vllm/afd/fingerprint.py) is no
+            # evidence of a mismatch.
+            if expected != received and unavailable not in (expected, received):
+                differ(f"fingerprint[{key!r}]", expected, received)
+        return problems
+
+    # ------------------------------------------------------- attention side
+    def _handshake_as_attention(self, deadline: float) -> None:
+        """Send Hello on link 0, prove the secret if asked, act on the HelloAck."""
+        hello = self._hello(auth.new_nonce() if self._secret is not None else b"")
+        self._send_message(0, hello, what="the handshake (Hello)", deadline=deadline)
+        what = "the handshake reply (HelloAck)"
+        reply = self._recv_checked(0, wire.Message, what, deadline, on_wait=self._waiter(
+            f"{what} from {self.peer_name(0)}", deadline, connecting=True))
+        if isinstance(reply, AuthChallenge):
+            reply = self._answer_challenge(hello, reply, deadline)
+        elif not isinstance(reply, HelloAck):
+            raise ProtocolError(f"unexpected message from {self.peer_name(0)} at "
+                                f"{self.address} while waiting for {what}: expected HelloAck "
+                                f"or AuthChallenge, received {type(reply).__name__}")
+        elif self._secret is not None and reply.accepted:
+            # Whatever answers there did not prove the secret: not our FFN server.
+            self.auth_failures += 1
+            raise ProtocolError(
+                f"{self.peer_name(0)} at {self.address} accepted {self.me} without "
+                f"authenticating: this side has a secret, the FFN server has none or does "
+                f"not check it; {auth.HOW_TO_FIX}")
+        self._check_ack(reply)
+        try:
+            self._on_ack(reply.transport)
+        except ProtocolError as e:
+            self._tell_peer(0, HelloConfirm(accepted=False, reason=str(e)[:wire.MAX_TEXT]),
+                            deadline)
+            raise
+        self._send_message(0, HelloConfirm(accepted=True), what="the handshake confirmation",
+                           deadline=deadline)
+        self._on_confirmed(0)
+
+    def _answer_challenge(self, hello: Hello, challenge: AuthChallenge,
+                          deadline: float) -> HelloAck:
+        ffn = f"{self.peer_name(0)} at {self.address}"
+        if self._secret is None:
+            self.auth_failures += 1
+            raise ProtocolError(f"{ffn} requires authentication and {self.me} has no "
+                                f"secret: {auth.HOW_TO_FIX}")
+        if not auth.verify(self._secret, "ffn", hello.auth_nonce, challenge.nonce, hello,
+                           challenge.proof):
+            self.auth_failures += 1
+            reason = (f"{ffn} failed authentication: its proof does not match the secret "
+                      f"of {self.me}; {auth.HOW_TO_FIX}")
+            self._tell_peer(0, wire.ErrorFrame(text=reason), deadline)
+            raise ProtocolError(reason)
+        answer = AuthProof(proof=auth.proof(self._secret, "attention", hello.auth_nonce,
+                                            challenge.nonce, hello))
+        self._send_message(0, answer, what="the authentication proof", deadline=deadline)
+        what = "the handshake reply (HelloAck)"
+        return self._recv_checked(0, HelloAck, what, deadline, on_wait=self._waiter(
+            f"{what} from {self.peer_name(0)}", deadline, connecting=True))
+
+    def _check_ack(self, ack: HelloAck) -> None:
+        if not ack.accepted:
+            raise ProtocolError(f"{self.peer_name(0)} at {self.address} refused {self.me}: "
+                                f"{ack.reason}")
+        if ack.protocol_version != wire.PROTOCOL_VERSION:
+            raise ProtocolError(f"HelloAck.protocol_version: expected "
+                                f"{wire.PROTOCOL_VERSION}, received {ack.protocol_version}")
+        if ack.rank != self.ffn_rank or (ack.group and self.ffn_rank not in ack.group):
+            raise ProtocolError(f"HelloAck from {self.address}: expected FFN rank "
+                                f"{self.ffn_rank}, received rank {ack.rank} (group {ack.group})")
+        num_ffn_ranks = self.afd_config.num_ffn_ranks
+        if (any(r >= num_ffn_ranks for r in ack.group)
+                or len(set(ack.group)) != len(ack.group)):
+            # The group names the ranks this side connects to next.
+            raise ProtocolError(f"HelloAck.group from {self.address}: expected distinct "
+                                f"FFN ranks in 0-{num_ffn_ranks - 1}, received {ack.group}")
+        self.ffn_group = list(ack.group) or [self.ffn_rank]
+
+    # ------------------------------------------------------------ FFN side
+    def _handshake_as_ffn(self, link: Any, source: str, deadline: float) -> int | None:
+        """Run the handshake on a new link: its peer id when accepted, None when
+        the connection was dropped (not an AFD peer, failed authentication, or
+        a mismatched configuration: told why, logged, counted; see refusals).
+        The caller closes a dropped link and keeps accepting."""
+        key = -1 - len(self._links)  # temporary slot until the Hello names the rank
+        self._links[key] = link
+        try:
+            return self._admit(key, source, deadline)
+        except _Dropped:
+            self._links.pop(key, None)
+            self._failure = None  # the receive helpers marked the connector failed
+            return None
+
+    def _admit(self, key: int, source: str, deadline: float) -> int:
+        hello = self._handshake_recv(key, Hello, "the handshake (Hello)",
+                                     f"connection from {source}", deadline, auth_step=False)
+        label = f"attention rank {hello.rank}"
+        if source != label:  # loopback names its links by rank already
+            label += f" ({source})"
+        if hello.protocol_version != wire.PROTOCOL_VERSION:
+            self._refuse(key, label, f"protocol_version: expected {wire.PROTOCOL_VERSION!r}, "
+                         f"received {hello.protocol_version!r}", deadline)
+        if self._secret is not None:
+            self._authenticate(key, hello, label, deadline)
+        elif hello.auth_nonce:
+            self._refuse(key, label, f"authentication: the attention server has a secret "
+                         f"and this FFN server has none; {auth.HOW_TO_FIX}", deadline,
+                         auth_failure=True)
+        problems = self._hello_problems(hello)
+        if problems:
+            self._refuse(key, label, "; ".join(problems), deadline)
+        peer = hello.rank
+        self._links[peer] = self._links.pop(key)
+        try:
+            ack = HelloAck(accepted=True, rank=self.rank, group=self.ffn_group,
+                           transport=self._ack_transport(peer, hello.transport))
+            self._send_message(peer, ack, what="the handshake reply", deadline=deadline)
+            confirm = self._handshake_recv(peer, HelloConfirm,
+                                           "the handshake confirmation (HelloConfirm)", label,
+                                           deadline, auth_step=False)
+        except BaseException:
+            self._links[key] = self._links.pop(peer)
+            self._on_refused(peer)
+            raise
+        if not confirm.accepted:
+            self._links[key] = self._links.pop(peer)
+            self._on_refused(peer)
+            self.refusals.append(f"{label}: refused our HelloAck: {confirm.reason}")
+            self.handshake_failures += 1
+            logger.error("%s: %s refused the handshake reply: %s", self.me, label,
+                         confirm.reason)
+            raise _Dropped()
+        try:
+            self._on_confirmed(peer)  # e.g. NCCL init, with its own deadline
+        except Exception as e:  # noqa: BLE001 - this peer fails, the server goes on
+            self._links[key] = self._links.pop(peer)
+            self._on_refused(peer)
+            self._drop(label, e, auth_failure=False)
+        return peer
+
+    def _authenticate(self, key: int, hello: Hello, label: str, deadline: float) -> None:
+        """Challenge the peer; return only if it proved the secret."""
+        if len(hello.auth_nonce) != wire.AUTH_NONCE_BYTES:
+            self._refuse(key, label, "authentication: this FFN server requires a secret and "
+                         f"the attention server has none; {auth.HOW_TO_FIX}", deadline,
+                         auth_failure=True)
+        nonce = auth.new_nonce()
+        challenge = AuthChallenge(nonce=nonce, proof=auth.proof(
+            self._secret, "ffn", hello.auth_nonce, nonce, hello))
+        try:
+            self._send_message(key, challenge, what="the authentication challenge",
+                               deadline=deadline)
+        except AFDConnectionError as e:
+            self._drop(label, e, auth_failure=True)
+        answer = self._handshake_recv(key, AuthProof, "the authentication proof (AuthProof)",
+                                      label, deadline, auth_step=True)
+        if not auth.verify(self._secret, "attention", hello.auth_nonce, nonce, hello,
+                           answer.proof):
+            self._refuse(key, label, "authentication failed: the attention server's proof "
+                         f"does not match this FFN server's secret; {auth.HOW_TO_FIX}",
+                         deadline, auth_failure=True)
+
+    def _handshake_recv(self, key: int, kind: type, what: str, label: str, deadline: float,
+                        auth_step: bool):
+        try:
+            return self._recv_checked(key, kind, what, deadline, peer_label=label)
+        except (ProtocolError, AFDConnectionError) as e:
+            # A port scanner or a stray client must not take the server down.
+            self._drop(label, e, auth_failure=auth_step)
+
+    def _drop(self, label: str, error: Exception, auth_failure: bool) -> None:
+        self.handshake_failures += 1
+        if auth_failure:
+            self.auth_failures += 1
+        logger.warning("%s: dropping %s%s: %s", self.me, label,
+                       " during authentication" if auth_failure else "", error)
+        raise _Dropped()
+
+    def _refuse(self, key: int, label: str, reason: str, deadline: float,
+                auth_failure: bool = False) -> None:
+        """Record, log, tell the peer why it is refused (best effort), drop.
+        Counted before the peer hears of it, so whoever watches the counters
+        sees the refusal no later than the peer does."""
+        self.refusals.append(f"{label}: {reason}")
+        self.handshake_failures += 1
+        if auth_failure:
+            self.auth_failures += 1
+            # Anyone can knock: a warning, not an error of this server.
+            logger.warning("%s refused %s: %s", self.me, label, reason)
+        else:
+            logger.error("%s refused %s: %s", self.me, label, reason)
+        self._tell_peer(key, HelloAck(accepted=False, reason=reason[:wire.MAX_TEXT],
+                                      rank=self.rank), deadline)
+        raise _Dropped()
+
+    def _tell_peer(self, key: int, message: wire.Message, deadline: float) -> None:
+        """Best-effort message to a peer being refused (it may be gone)."""
+        try:
+            self._send_message(key, message, what=f"the {type(message).__name__}",
+                               deadline=deadline)
+        except AFDConnectionError as e:
+            logger.debug("%s: could not send %s: %s", self.me, type(message).__name__, e)
+        self._failure = None

@@ -1,0 +1,461 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""Every message exchanged between the attention and the FFN servers.
+
+All messages are msgspec Structs in one tagged union, encoded as msgpack maps
+(field names on the wire, so a decode error names the field and new fields can
+be added with defaults). Tensor payloads never travel inside a message: a
+LayerFrame header describes the payload and the transport moves its bytes
+(socket, shared-memory slot, NCCL). Nothing here unpickles anything.
+
+Conversation, per attention rank and its FFN server:
+
+    attention -> FFN   Hello                     once, after connecting
+    FFN -> attention   AuthChallenge             only when the FFN has a secret
+    attention -> FFN   AuthProof                 (transport/auth.py; see there)
+    FFN -> attention   HelloAck                  accepted, or rejected with reason
+    attention -> FFN   HelloConfirm              the attention side's own checks of
+                                                 the ack passed (or why not); only
+                                                 then does either side set up the
+                                                 transport (e.g. NCCL) and serve
+    attention -> FFN   StepHeader                once per model step
+    attention -> FFN   LayerFrame + hidden       per layer and micro-batch
+                       (+ top-k routing when AFDConfig.gate_on == "attention")
+    FFN -> attention   LayerFrame + output       same layer and micro-batch
+    either             StepHeader(GOODBYE)       on close
+    either             ErrorFrame                on a fatal error
+
+Headers come from another process: everything a receiver allocates or indexes
+with is checked here first (check_step, check_frame), so a malformed or
+malicious header raises ProtocolError instead of sizing a buffer.
+"""
+
+import ctypes
+import logging
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Annotated, Literal, NamedTuple
+
+import msgspec
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Bump on any incompatible change; peers with different versions refuse to talk.
+# 2: LayerFrame.topk and Hello.routing_topk (routing computed on the attention side).
+# 3: authentication (Hello.auth_nonce, AuthChallenge, AuthProof) and the model
+#    fingerprint of vllm/afd/model/fingerprint.py in Hello.fingerprint.
+# 4: HelloConfirm; Hello.device_kind; transport data as the connector's own
+#    encoded struct (Hello.transport, HelloAck.transport).
+PROTOCOL_VERSION = 4
+MAX_TRANSPORT_BYTES = 16 * 1024  # a connector's handshake data
+
+MAX_UBATCHES = 4  # AFDConfig.num_ubatches is 1..4
+MAX_DIMS = 8
+MAX_TEXT = 4096  # reasons and error texts; a peer cannot make us log megabytes
+MAX_FINGERPRINT_ITEMS = 64
+MAX_TOPK = 1024  # experts per token; real models use 1-16
+AUTH_NONCE_BYTES = 32  # fresh random bytes per connection and side
+AUTH_PROOF_BYTES = 32  # HMAC-SHA256
+# A fingerprint item one side could not compute (e.g. the checkpoint is not on
+# its disk yet); never counts as a mismatch.
+FINGERPRINT_UNAVAILABLE = "unavailable"
+
+# Routing (AFDConfig.gate_on == "attention") travels in the same payload as the
+# hidden states it belongs to, after them:
+#   [hidden states: shape x dtype][zero padding to ROUTING_ALIGN]
+#   [topk_weights: float32 [n, topk]][topk_ids: int32 [n, topk]]
+# One payload, not a second frame: transports keep one buffer per (peer,
+# micro-batch), and a second frame would overwrite the first. The padding keeps
+# the weights and ids aligned for zero-copy views, whatever the hidden dtype.
+ROUTING_ALIGN = 8
+ROUTING_WEIGHT_DTYPE = torch.float32
+ROUTING_ID_DTYPE = torch.int32
+
+# Payload dtypes, by the names that travel in LayerFrame.dtype and Hello.dtype.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+# StepHeader.flags bits (bit 0 is retired: warm-up and profile runs never
+# reach the link, the runner names them; see attention/link.py).
+SHUTDOWN = 2  # the attention server is shutting down; the FFN server should exit
+GOODBYE = 4  # the sender closes this connection; nothing follows
+KNOWN_FLAGS = SHUTDOWN | GOODBYE
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+Nonce = Annotated[bytes, msgspec.Meta(min_length=AUTH_NONCE_BYTES,
+                                      max_length=AUTH_NONCE_BYTES)]
+Proof = Annotated[bytes, msgspec.Meta(min_length=AUTH_PROOF_BYTES,
+                                      max_length=AUTH_PROOF_BYTES)]
+
+
+class ProtocolError(ValueError):
+    """A peer sent something this side cannot accept: malformed bytes, a
+    message of the wrong kind, or a header that does not match what we expect."""
+
+
+class Message(msgspec.Struct, tag_field="kind", kw_only=True):
+    """Base of every wire message; the subclass tag selects the type on decode."""
+
+
+class Hello(Message, tag="hello"):
+    """First message of a connection: who the attention rank is and what it will
+    send, so the FFN can refuse a mismatched peer before any tensor moves."""
+
+    protocol_version: NonNegInt
+    role: Literal["attention", "ffn"]
+    rank: NonNegInt
+    num_attention_ranks: Annotated[int, msgspec.Meta(ge=1)]
+    num_ffn_ranks: Annotated[int, msgspec.Meta(ge=1)]
+    num_ubatches: Annotated[int, msgspec.Meta(ge=1, le=MAX_UBATCHES)]
+    hidden_size: Annotated[int, msgspec.Meta(ge=1)]
+    dtype: Name
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    connector: Name = ""
+    # Experts per token of the routing sent with MoE layers' hidden states (0:
+    # the FFN routes itself, AFDConfig.gate_on == "ffn"); both sides must agree.
+    routing_topk: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOPK)] = 0
+    # Free-form identity of the model/config (e.g. model name, layer count,
+    # quantization); keys both sides know must match.
+    fingerprint: Annotated[dict[Name, Text],
+                           msgspec.Meta(max_length=MAX_FINGERPRINT_ITEMS)] = {}
+    # The attention side's challenge to the FFN, AUTH_NONCE_BYTES of them when
+    # it has a secret (VLLM_AFD_TOKEN), empty when it has none.
+    auth_nonce: Annotated[bytes, msgspec.Meta(max_length=AUTH_NONCE_BYTES)] = b""
+    # The kind of device the attention rank's tensors live on ("cpu", "cuda",
+    # "npu"): peers on different kinds need a connector that stages through
+    # host memory.
+    device_kind: Name = ""
+    # The connector's own handshake data (its encoded struct; see
+    # connectors/base.py transport hooks).
+    transport: Annotated[bytes, msgspec.Meta(max_length=MAX_TRANSPORT_BYTES)] = b""
+
+
+class AuthChallenge(Message, tag="auth_challenge"):
+    """The FFN's answer to a Hello when it has a secret: its own challenge, and
+    its proof that it knows the secret (vllm/afd/auth.py)."""
+
+    nonce: Nonce
+    proof: Proof
+
+
+class AuthProof(Message, tag="auth_proof"):
+    """The attention side's proof that it knows the secret."""
+
+    proof: Proof
+
+
+class HelloAck(Message, tag="hello_ack"):
+    """The FFN's answer to Hello, plus what the transport needs to continue."""
+
+    accepted: bool
+    reason: Text = ""
+    protocol_version: NonNegInt = PROTOCOL_VERSION
+    rank: NonNegInt = 0  # the FFN rank answering
+    # The FFN ranks that compute together with it (tensor/expert parallel),
+    # lead first; the attention side sends to all of them, hears from the lead.
+    group: Annotated[list[NonNegInt], msgspec.Meta(max_length=1024)] = []
+    # The connector's own handshake data (shm: segment names and slot size;
+    # nccl: unique ids), its encoded struct.
+    transport: Annotated[bytes, msgspec.Meta(max_length=MAX_TRANSPORT_BYTES)] = b""
+
+
+class HelloConfirm(Message, tag="hello_confirm"):
+    """The attention side's answer to an accepted HelloAck: its own checks of
+    the ack (group, transport data) passed, or why not. The FFN counts the peer
+    as connected, and either side sets up anything costly (NCCL), only after a
+    positive confirm."""
+
+    accepted: bool
+    reason: Text = ""
+
+
+class StepHeader(Message, tag="step"):
+    """Start of a model step on one attention rank: how many tokens each
+    micro-batch carries (their sum is this rank's tokens for the step)."""
+
+    step_id: NonNegInt
+    num_tokens: Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_UBATCHES)]
+    flags: NonNegInt = 0
+
+    @property
+    def is_shutdown(self) -> bool:
+        return bool(self.flags & SHUTDOWN)
+
+    @property
+    def is_goodbye(self) -> bool:
+        return bool(self.flags & GOODBYE)
+
+
+class LayerFrame(Message, tag="layer"):
+    """Header of one tensor payload: the hidden states of (step, layer,
+    micro-batch) on the way to the FFN, or the FFN's output on the way back."""
+
+    step_id: NonNegInt
+    layer_id: NonNegInt
+    ubatch_id: NonNegInt
+    dtype: Name
+    shape: Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_DIMS)]
+    nbytes: NonNegInt
+    # > 0: the payload carries this many routed experts per token after the
+    # hidden states (see ROUTING_ALIGN); only attention -> FFN, MoE layers.
+    topk: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOPK)] = 0
+
+
+class ErrorFrame(Message, tag="error"):
+    """The sender hit a fatal error; the receiver fails with this text instead
+    of waiting out its timeout."""
+
+    text: Text
+
+
+AnyMessage = (Hello | AuthChallenge | AuthProof | HelloAck | HelloConfirm | StepHeader
+              | LayerFrame | ErrorFrame)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes | bytearray | memoryview, *, source: str = "peer") -> AnyMessage:
+    """Decode one message; malformed or truncated bytes raise ProtocolError."""
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as e:
+        raise ProtocolError(
+            f"malformed AFD message from {source} ({len(data)} bytes): {e}") from e
+
+
+def expect(message: AnyMessage, kind: type[Message], *, source: str = "peer",
+           waiting_for: object = "") -> Message:
+    """Return message if it is of kind, else raise ProtocolError naming both."""
+    if not isinstance(message, kind):
+        what = f" while waiting for {waiting_for}" if waiting_for else ""
+        raise ProtocolError(
+            f"unexpected message from {source}{what}: expected {kind.__name__}, "
+            f"received {type(message).__name__}")
+    return message
+
+
+def _mismatch(field: str, expected, received, context: object) -> ProtocolError:
+    where = f" ({context})" if context else ""
+    return ProtocolError(f"{field}: expected {expected}, received {received}{where}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot travel between AFD servers; supported: "
+                         f"{', '.join(DTYPES)}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a wire dtype name (ProtocolError if not allowed)."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ProtocolError(f"dtype: expected one of {', '.join(DTYPES)}, received "
+                            f"{name!r}") from None
+
+
+def payload_nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+class Routing(NamedTuple):
+    """The router's decision for n tokens: what vLLM's FusedMoERouter.select_experts
+    returns, as it travels (logical expert ids, before any EPLB mapping)."""
+
+    topk_weights: torch.Tensor  # ROUTING_WEIGHT_DTYPE [n, topk]
+    topk_ids: torch.Tensor  # ROUTING_ID_DTYPE [n, topk]
+
+
+def _routing_offset(hidden_nbytes: int) -> int:
+    return -(-hidden_nbytes // ROUTING_ALIGN) * ROUTING_ALIGN
+
+
+def frame_nbytes(dtype: torch.dtype, shape: Sequence[int], topk: int = 0) -> int:
+    """Payload bytes of a LayerFrame: the tensor, plus routing when topk > 0."""
+    nbytes = payload_nbytes(dtype, shape)
+    if topk == 0:
+        return nbytes
+    rows = shape[0] if shape else 0
+    return _routing_offset(nbytes) + rows * topk * (ROUTING_WEIGHT_DTYPE.itemsize
+                                                    + ROUTING_ID_DTYPE.itemsize)
+
+
+def routed_parts(tensor: torch.Tensor, routing: Routing) -> list[torch.Tensor]:
+    """The pieces of a routed payload, to be sent back to back (no copy)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    pad = _routing_offset(nbytes) - nbytes
+    parts = [tensor]
+    if pad:
+        parts.append(torch.zeros(pad, dtype=torch.uint8, device=tensor.device))
+    return parts + [routing.topk_weights, routing.topk_ids]
+
+
+def split_routed(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int],
+                 topk: int) -> tuple[torch.Tensor, Routing]:
+    """Views of a received routed payload (a flat uint8 tensor of exactly
+    frame_nbytes(dtype, shape, topk) bytes, checked by check_frame)."""
+    nbytes = payload_nbytes(dtype, shape)
+    start = _routing_offset(nbytes)
+    n = shape[0]
+    mid = start + n * topk * ROUTING_WEIGHT_DTYPE.itemsize
+    end = mid + n * topk * ROUTING_ID_DTYPE.itemsize
+    if raw.numel() != end:
+        raise ProtocolError(f"routed payload length: expected {end} (shape {list(shape)} x "
+                            f"{dtype_name(dtype)}, topk {topk}), received {raw.numel()}")
+    tensor = raw[:nbytes].view(dtype).view(tuple(shape))
+    weights = raw[start:mid].view(ROUTING_WEIGHT_DTYPE).view(n, topk)
+    ids = raw[mid:end].view(ROUTING_ID_DTYPE).view(n, topk)
+    return tensor, Routing(weights, ids)
+
+
+def check_step(header: StepHeader, *, num_ubatches: int, max_tokens: int,
+               min_step_id: int = 0, context: object = "") -> StepHeader:
+    """Validate a StepHeader before its token counts size anything."""
+    if header.flags & ~KNOWN_FLAGS:
+        raise _mismatch("StepHeader.flags", f"only bits {KNOWN_FLAGS:#x}",
+                        f"{header.flags:#x}", context)
+    if header.is_goodbye or header.is_shutdown:
+        return header  # ends the conversation; carries no step
+    if header.step_id < min_step_id:
+        raise _mismatch("StepHeader.step_id", f">= {min_step_id} (steps only move forward)",
+                        header.step_id, context)
+    if not 1 <= len(header.num_tokens) <= num_ubatches:
+        raise _mismatch("StepHeader.num_tokens", f"1 to {num_ubatches} micro-batches",
+                        f"{len(header.num_tokens)} ({header.num_tokens})", context)
+    total = sum(header.num_tokens)
+    if total > max_tokens:
+        raise _mismatch("StepHeader.num_tokens", f"at most {max_tokens} tokens in all",
+                        f"{total} ({header.num_tokens})", context)
+    return header
+
+
+def check_frame(frame: LayerFrame, *, step_id: int, layer_id: int, ubatch_id: int,
+                max_bytes: int, hidden_size: int | None = None,
+                expected_shape_tail: Sequence[int] | None = None,
+                expected_shape: Sequence[int] | None = None,
+                dtype: torch.dtype | None = None, routing_topk: int = 0,
+                context: object = "") -> torch.dtype:
+    """Check a received LayerFrame against what the receiver expects next and
+    return its torch dtype. Raises ProtocolError naming the field, the expected
+    and the received value, then context (anything printable, formatted only
+    on error). nbytes is checked against shape, dtype and topk and against
+    max_bytes, so it is safe to allocate or index with afterwards. topk must
+    be 0 or routing_topk (a frame may carry routing only where the receiver
+    negotiated it; dense layers of a MoE model carry none)."""
+    if frame.step_id != step_id:
+        raise _mismatch("LayerFrame.step_id", step_id, frame.step_id, context)
+    if frame.layer_id != layer_id:
+        raise _mismatch("LayerFrame.layer_id", layer_id, frame.layer_id, context)
+    if frame.ubatch_id != ubatch_id:
+        raise _mismatch("LayerFrame.ubatch_id", ubatch_id, frame.ubatch_id, context)
+    received_dtype = DTYPES.get(frame.dtype)
+    if received_dtype is None:
+        raise _mismatch("LayerFrame.dtype", f"one of {', '.join(DTYPES)}",
+                        repr(frame.dtype), context)
+    if dtype is not None and received_dtype != dtype:
+        raise _mismatch("LayerFrame.dtype", dtype_name(dtype), frame.dtype, context)
+    shape = list(frame.shape)
+    if not shape:
+        raise _mismatch("LayerFrame.shape", "at least one dimension", shape, context)
+    if hidden_size is not None:
+        expected_shape_tail = (hidden_size,)
+    if expected_shape is not None and shape != list(expected_shape):
+        raise _mismatch("LayerFrame.shape", list(expected_shape), shape, context)
+    if expected_shape_tail is not None:
+        tail = list(expected_shape_tail)
+        if len(shape) != len(tail) + 1 or shape[1:] != tail:
+            raise _mismatch("LayerFrame.shape", f"[num_tokens, {', '.join(map(str, tail))}]",
+                            shape, context)
+    if frame.topk not in (0, routing_topk):
+        raise _mismatch("LayerFrame.topk", "0" if routing_topk == 0 else
+                        f"0 or {routing_topk}", frame.topk, context)
+    if frame.topk and len(shape) != 2:
+        raise _mismatch("LayerFrame.shape", "[num_tokens, hidden_size] (routed frame)",
+                        shape, context)
+    # prod() of a hostile shape can be huge; Python ints do not overflow, and
+    # the comparison below rejects it before anything is allocated.
+    nbytes = frame_nbytes(received_dtype, shape, frame.topk)
+    if frame.nbytes != nbytes:
+        routed = f", topk {frame.topk}" if frame.topk else ""
+        raise _mismatch("LayerFrame.nbytes", f"{nbytes} (shape {shape} x {frame.dtype}"
+                        f"{routed})", frame.nbytes, context)
+    if nbytes > max_bytes:
+        raise _mismatch("LayerFrame.nbytes", f"at most {max_bytes}", nbytes, context)
+    return received_dtype
+
+
+def layer_frame(tensor: torch.Tensor, *, step_id: int, layer_id: int,
+                ubatch_id: int, topk: int = 0) -> LayerFrame:
+    """The header describing tensor (and topk experts of routing per row, when
+    topk > 0) as the payload of (step, layer, ubatch)."""
+    shape = list(tensor.shape)
+    nbytes = tensor.numel() * tensor.element_size()
+    if topk:
+        nbytes = frame_nbytes(tensor.dtype, shape, topk)
+    return LayerFrame(step_id=step_id, layer_id=layer_id, ubatch_id=ubatch_id,
+                      dtype=dtype_name(tensor.dtype), shape=shape, nbytes=nbytes, topk=topk)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes (no copy); works for
+    bfloat16, which numpy and the buffer protocol do not know."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"AFD payloads must be contiguous; got strides {tensor.stride()} "
+                         f"for shape {tuple(tensor.shape)}")
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def tensor_to_buffer(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable memoryview (no copy;
+    the view keeps the tensor alive). Built over the data pointer: torch's own
+    route (reshape, view, numpy) costs several times more per message."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"tensor_to_buffer needs a CPU tensor, got {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"AFD payloads must be contiguous; got strides {tensor.stride()} "
+                         f"for shape {tuple(tensor.shape)}")
+    nbytes = tensor.nbytes
+    if nbytes == 0:
+        return memoryview(bytearray())
+    raw = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    raw._owner = tensor  # the memory belongs to the tensor: keep it alive
+    return memoryview(raw).cast("B")
+
+
+def tensor_from_buffer(buffer, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """A tensor over buffer's memory (no copy); its length must match exactly.
+    The tensor keeps buffer alive. Writing into a read-only buffer (bytes, a
+    received frame) is undefined: treat such tensors as read-only."""
+    view = memoryview(buffer).cast("B")
+    nbytes = payload_nbytes(dtype, shape)
+    if view.nbytes != nbytes:
+        raise ProtocolError(f"payload length: expected {nbytes} (shape {list(shape)} x "
+                            f"{dtype_name(dtype)}), received {view.nbytes}")
+    if nbytes == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    if view.readonly:
+        # torch warns once per process that it cannot protect read-only memory;
+        # the contract above says so already.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(view, dtype=torch.uint8)
+    else:
+        flat = torch.frombuffer(view, dtype=torch.uint8)
+    return flat.view(dtype).view(tuple(shape))
