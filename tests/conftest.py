@@ -29,6 +29,23 @@ def pytest_configure(config):
             "tree; run them with `make test` (or .venv/bin/pytest from the repository root)")
 
 
+# Which kernels the model tests ran (e.g. the DeepSeek MLA backend), printed
+# at the end of the run: the suite runs on CPUs that pick different kernels.
+KERNEL_PATHS: set[str] = set()
+
+
+@pytest.fixture(scope="session")
+def kernel_paths() -> set[str]:
+    return KERNEL_PATHS
+
+
+def pytest_terminal_summary(terminalreporter):
+    if KERNEL_PATHS:
+        terminalreporter.section("kernel paths")
+        for line in sorted(KERNEL_PATHS):
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO

@@ -3,6 +3,7 @@
 """Greedy tokens and logprobs of a fixed prompt set, through plain vLLM or AFD.
 
     python tools/oracle.py MODEL --out result.json [--afd-config JSON] [--compile]
+        [--attention-backend NAME] [--fake-amx]
 
 Runs an in-process `LLM` (VLLM_ENABLE_V1_MULTIPROCESSING=0). With --afd-config
 the engine is the attention role and needs an FFN server listening; with the
@@ -31,14 +32,37 @@ PROMPTS = [
 ]
 
 
+# The MLA kernels for DeepSeek on every CPU. Without an explicit choice an
+# Intel host with AMX picks AMX_MLA, which refuses fp32 weights (plain vLLM as
+# well as AFD), while AMD hosts run CPU_MLA: the suite would test other kernels
+# on each host, or fail on one.
+MLA_BACKEND = "CPU_MLA"
+
+
+def attention_backend_for(model) -> str | None:
+    """The attention backend the tests pin for a checkpoint (None: vLLM's choice)."""
+    from pathlib import Path
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    return MLA_BACKEND if config.get("kv_lora_rank") else None
+
+
+def engine_cli_args(model) -> list[str]:
+    """`vllm serve` arguments the tests add for a checkpoint."""
+    backend = attention_backend_for(model)
+    return ["--attention-backend", backend] if backend else []
+
+
 def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int,
-        num_prompts: int, dtype: str) -> dict:
+        num_prompts: int, dtype: str, attention_backend: str | None = None) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     kwargs = dict(model=model, max_model_len=512, dtype=dtype, seed=0,
                   max_num_batched_tokens=64, max_num_seqs=16,
                   enforce_eager=not compile_model, enable_prefix_caching=False)
+    if attention_backend:
+        kwargs["attention_backend"] = attention_backend
     if afd_config:
         kwargs["afd_config"] = json.loads(afd_config)
         kwargs["afd_role"] = "attention"
@@ -63,9 +87,15 @@ def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int
             "text": c.text,
         })
     link_stats = llm.collective_rpc("afd_link_stats")[0] if afd_config else None
+    link = llm.collective_rpc("afd_link_document")[0] if afd_config else None
+    backends = llm.collective_rpc("afd_attention_backends")[0]
     if ffn_engine is not None:
         ffn_engine.shutdown()
-    return {"results": results, "init_s": t_init, "generate_s": t_gen, "link_stats": link_stats}
+    import torch
+
+    return {"results": results, "init_s": t_init, "generate_s": t_gen, "link_stats": link_stats,
+            "dummy_runs": (link or {}).get("dummy_runs"), "attention_backends": backends,
+            "amx": torch.cpu._is_amx_tile_supported()}
 
 
 def start_inprocess_ffn(llm_kwargs: dict):
@@ -87,9 +117,19 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--num-prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--attention-backend", default=None,
+                    help="e.g. CPU_MLA: the MLA kernels every CPU runs (else AMX hosts "
+                         "pick AMX_MLA, which refuses fp32 weights)")
+    ap.add_argument("--fake-amx", action="store_true",
+                    help="tests: make this process's vLLM believe the CPU has AMX tiles "
+                         "(the choice an Intel AMX host makes, on any CPU)")
     args = ap.parse_args()
+    if args.fake_amx:
+        import torch
+
+        torch.cpu._is_amx_tile_supported = lambda: True
     result = run(args.model, args.afd_config, args.compile, args.max_tokens,
-                 args.num_prompts, args.dtype)
+                 args.num_prompts, args.dtype, args.attention_backend)
     with open(args.out, "w") as f:
         json.dump(result, f)
     return 0

@@ -33,6 +33,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from oracle import engine_cli_args
 from servers import Server, free_port
 
 pytestmark = pytest.mark.slow
@@ -65,8 +66,10 @@ class Story:
             name=name))
 
     def attention(self, name: str, model: Path | None = None, **extra) -> Server:
-        return self._start(Server(str(model or self.model), [
-            *COMMON, "--afd-role", "attention", "--afd-config", self.afd(**extra)],
+        model = model or self.model
+        return self._start(Server(str(model), [
+            *COMMON, *engine_cli_args(model), "--afd-role", "attention",
+            "--afd-config", self.afd(**extra)],
             log_path=self.logs / f"{name}.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
             name=name))
 

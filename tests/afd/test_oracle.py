@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from oracle import engine_cli_args
 from servers import Server, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,9 +33,10 @@ pytestmark = pytest.mark.slow
 
 
 def run_oracle(model: Path, out: Path, afd_config: dict | None = None,
-               compile_model: bool = False, num_prompts: int = 10) -> dict:
+               compile_model: bool = False, num_prompts: int = 10,
+               extra: tuple[str, ...] = ()) -> dict:
     cmd = [sys.executable, str(ORACLE), str(model), "--out", str(out),
-           "--num-prompts", str(num_prompts)]
+           "--num-prompts", str(num_prompts), *engine_cli_args(model), *extra]
     if afd_config is not None:
         cmd += ["--afd-config", json.dumps(afd_config)]
     if compile_model:
@@ -62,7 +64,8 @@ def ffn_server(model: Path, afd_config: dict, log: Path, *, extra: list[str] = (
                cpus: str = "1") -> Server:
     args = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
             "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
-            "--afd-role", "ffn", "--afd-config", json.dumps(afd_config), *extra]
+            "--afd-role", "ffn", "--afd-config", json.dumps(afd_config),
+            *engine_cli_args(model), *extra]
     return Server(str(model), args, log_path=log, env={"VLLM_CPU_OMP_THREADS_BIND": cpus},
                   name=f"FFN server {afd_config.get('ffn_rank', 0)}")
 
@@ -133,7 +136,7 @@ CASES = [
                               f"{'-gate-attention' if g == 'attention' else ''}"
                               for m, c, k, u, g in CASES])
 def test_afd_matches_plain(models_dir, tmp_path, model_name, connector, compile_model,
-                           num_ubatches, gate_on):
+                           num_ubatches, gate_on, kernel_paths):
     model = models_dir / model_name
     # MLA on CPU is not batch-invariant run to run (shared reference §8): for the
     # DeepSeek models compare single-prompt runs, where plain vLLM is stable.
@@ -154,6 +157,35 @@ def test_afd_matches_plain(models_dir, tmp_path, model_name, connector, compile_
     assert_same(plain, afd)
     assert_micro_batched(afd, model, num_ubatches if num_prompts > 1 else 1)
     assert_routing(model, gate_on, afd["link_stats"])
+    # Plain vLLM and AFD ran the same attention kernels (one pinned for MLA).
+    assert plain["attention_backends"] == afd["attention_backends"], (plain, afd)
+    kernel_paths.add(f"{model_name}: attention {'/'.join(afd['attention_backends'])} "
+                     f"(host AMX: {'yes' if afd['amx'] else 'no'})")
+
+
+def test_deepseek_runs_the_same_mla_kernels_on_an_amx_host(models_dir, tmp_path, kernel_paths):
+    """An Intel host with AMX tiles, simulated (--fake-amx: vLLM's own AMX
+    check answers yes; AMX itself cannot run here). Left to itself vLLM picks
+    AMX_MLA there, which refuses the fp32 DeepSeek checkpoint in plain vLLM
+    already: the failure CI met on such a host. With the backend the suite
+    pins (tools/oracle.py MLA_BACKEND), plain vLLM and AFD run CPU_MLA there
+    as on every other CPU, and agree token for token."""
+    model = models_dir / "tiny-deepseek-v2"
+    unpinned = subprocess.run(
+        [sys.executable, str(ORACLE), str(model), "--out", str(tmp_path / "x.json"),
+         "--num-prompts", "1", "--fake-amx"], capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0"), cwd=tmp_path)
+    assert unpinned.returncode != 0
+    assert "Using AMX_MLA backend" in unpinned.stdout + unpinned.stderr
+    assert "expect weight to be bfloat16" in unpinned.stdout + unpinned.stderr
+    plain = run_oracle(model, tmp_path / "plain.json", num_prompts=1, extra=("--fake-amx",))
+    afd = run_oracle(model, tmp_path / "afd.json",
+                     {"connector": "loopback", "port": free_port(), "timeout_s": 60,
+                      "role": "attention"}, num_prompts=1, extra=("--fake-amx",))
+    assert afd["amx"] and plain["attention_backends"] == afd["attention_backends"] == ["CPU_MLA"]
+    assert_same(plain, afd)
+    kernel_paths.add("tiny-deepseek-v2 on a simulated AMX host: attention CPU_MLA (pinned; "
+                     "unpinned vLLM picks AMX_MLA and refuses fp32)")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from servers import Server, free_port, http_get
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
-from oracle import PROMPTS  # noqa: E402
+from oracle import PROMPTS, engine_cli_args  # noqa: E402
 from test_oracle import plain_result  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -38,10 +38,11 @@ def test_two_role_serve_matches_plain(models_dir, tmp_path, model_name):
     # The oracle's in-process plain run, shared with test_oracle.py's cases.
     plain = plain_result(model, tmp_path, num_prompts=len(prompts))
     afd = json.dumps({"connector": "shm", "port": free_port(), "timeout_s": 60})
-    ffn = Server(str(model), [*COMMON, "--afd-role", "ffn", "--afd-config", afd],
+    common = [*COMMON, *engine_cli_args(model)]  # DeepSeek: the MLA kernels every CPU runs
+    ffn = Server(str(model), [*common, "--afd-role", "ffn", "--afd-config", afd],
                  log_path=tmp_path / "ffn.log", env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
                  name="FFN server")
-    attn = Server(str(model), [*COMMON, "--afd-role", "attention", "--afd-config", afd],
+    attn = Server(str(model), [*common, "--afd-role", "attention", "--afd-config", afd],
                   log_path=tmp_path / "attn.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
                   name="attention server")
     # The attention server starts first: it waits for the FFN server to appear.

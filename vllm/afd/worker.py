@@ -74,6 +74,13 @@ class AFDWorkerMixin:
 
         return runner._link.document() if runner._link is not None else {}
 
+    def afd_attention_backends(self) -> list[str]:
+        """The attention backends this worker's layers run (plain or AFD), e.g.
+        ["CPU_MLA"]: tests report which kernels ran."""
+        context = self.vllm_config.compilation_config.static_forward_context
+        return sorted({layer.attn_backend.get_name() for layer in context.values()
+                       if getattr(layer, "attn_backend", None) is not None})
+
     def afd_stop_ffn_loop(self) -> None:
         if self._afd_ffn_loop is not None:
             self._afd_ffn_loop.stop()
