@@ -1,0 +1,355 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""The data plane's device rules, each with a test that fails without it.
+
+No GPU here: where a rule is about asynchronous device work, a fake device
+(DeferredOps: copies that land later, on a worker thread, as a GPU's copies
+land after the host moved on) stands in for it, and the test says so. What
+only a GPU can show is in tools/gpu_check (stream-order, graphs).
+"""
+
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm.afd.attention.link import AttentionLink, StepPlan
+from vllm.afd.ffn.loop import FFNLoop, warmup_buckets
+from vllm.afd.topology import FFNPlacement
+from vllm.afd.transport.config import LinkConfig
+from vllm.afd.transport.connectors import create_connector
+from vllm.afd.transport.connectors.nccl import NcclConnector
+from vllm.afd.transport.device import DeviceOps
+from vllm.afd.transport.errors import AFDTimeoutError
+from vllm.afd.transport.wire import StepHeader
+
+from test_connectors import HIDDEN as H
+from test_connectors import Background, FakeNccl, connect_pair, free_port, make
+
+HIDDEN, MAX_TOKENS = 16, 32
+
+
+class DeferredOps(DeviceOps):
+    """A fake device: copies land `delay` seconds later on a worker thread and
+    read their source only then (as a DMA does); an event is the copy's
+    future. Stands in for a GPU, which cannot exist here."""
+
+    def __init__(self, delay: float = 0.2) -> None:
+        super().__init__("cpu")
+        self.delay = delay
+        self.pool = ThreadPoolExecutor(1)
+        self.last = None
+
+    def copy(self, dst, src) -> None:
+        def later():
+            time.sleep(self.delay)
+            dst.copy_(src)
+
+        self.last = self.pool.submit(later)
+
+    def record(self):
+        return self.last
+
+    def wait_host(self, event) -> None:
+        if event is not None:
+            event.result()
+
+    def wait_stream(self, event) -> None:
+        self.wait_host(event)
+
+
+# ------------------------------------------------------- received tensors
+@pytest.mark.parametrize("kind", ["shm", "tcp", "loopback", "nccl"])
+def test_output_lands_in_the_callers_buffer(kind):
+    """recv_output(out=...) writes into the caller's tensor (the remote FFN
+    op's output): same storage, the FFN's values, nothing else to copy."""
+    attn, ffn = connect_pair(kind)
+    try:
+        attn.send_step(StepHeader(step_id=1, num_tokens=[5]))
+        ffn.recv_step(0)
+        h = torch.randn(5, H)
+        attn.send_hidden(0, 0, h)
+        got = ffn.recv_hidden(0, 0, 0)
+        assert got.device == ffn.device
+        ffn.send_output(0, 0, 0, got * 3)
+        out = torch.full((5, H), float("nan"))
+        ptr = out.data_ptr()
+        result = attn.recv_output(0, 0, out=out)
+        assert result is out and out.data_ptr() == ptr
+        assert torch.equal(out, h * 3)
+    finally:
+        attn.close()
+        ffn.close()
+
+
+def test_slot_reuse_waits_for_the_copy_out_of_it():
+    """shm, the consumer on a fake asynchronous device: the output's copy out
+    of the shared slot lands 0.2 s later. The next send on that micro-batch
+    (which lets the FFN overwrite the slot) must wait for it; without the
+    event, the FFN's next output would reach the caller's first buffer."""
+    port = free_port()
+    ffn = make("shm", "ffn", port)
+    attn = make("shm", "attention", port)
+    attn.ops = DeferredOps()  # before the handshake: the slots take their ops then
+    waiter = Background(ffn.connect)
+    attn.connect()
+    waiter.join_result()
+    try:
+        attn.send_step(StepHeader(step_id=1, num_tokens=[4]))
+        ffn.recv_step(0)
+        first, second = torch.full((4, H), 1.0), torch.full((4, H), 2.0)
+        out1, out2 = torch.zeros(4, H), torch.zeros(4, H)
+        attn.send_hidden(0, 0, first)
+        ffn.send_output(0, 0, 0, ffn.recv_hidden(0, 0, 0).clone())
+        attn.recv_output(0, 0, out=out1)  # the copy is still in flight
+        attn.send_hidden(1, 0, second)  # releases the slot: waits for that copy
+        ffn.send_output(0, 1, 0, ffn.recv_hidden(0, 1, 0).clone())  # overwrites it
+        attn.recv_output(1, 0, out=out2)
+        attn.ops.wait_host(attn.ops.record())
+        assert torch.equal(out1, first) and torch.equal(out2, second)
+    finally:
+        attn.close()
+        ffn.close()
+
+
+def test_without_the_slot_event_the_copy_reads_the_next_output(monkeypatch):
+    """The same exchange with the release made a no-op: the negative control
+    that shows the previous test can fail."""
+    from vllm.afd.transport.buffers import HostSlots
+
+    monkeypatch.setattr(HostSlots, "release", lambda self, u: None)
+    port = free_port()
+    ffn = make("shm", "ffn", port)
+    attn = make("shm", "attention", port)
+    attn.ops = DeferredOps()
+    waiter = Background(ffn.connect)
+    attn.connect()
+    waiter.join_result()
+    try:
+        attn.send_step(StepHeader(step_id=1, num_tokens=[4]))
+        ffn.recv_step(0)
+        out1 = torch.zeros(4, H)
+        attn.send_hidden(0, 0, torch.full((4, H), 1.0))
+        ffn.send_output(0, 0, 0, ffn.recv_hidden(0, 0, 0).clone())
+        attn.recv_output(0, 0, out=out1)
+        attn.send_hidden(1, 0, torch.full((4, H), 2.0))
+        ffn.send_output(0, 1, 0, ffn.recv_hidden(0, 1, 0).clone())
+        attn.recv_output(1, 0, out=torch.zeros(4, H))
+        attn.ops.pool.shutdown(wait=True)
+        assert torch.equal(out1, torch.full((4, H), 2.0))  # corrupted, as predicted
+    finally:
+        attn.close()
+        ffn.close()
+
+
+def test_connectors_take_their_device_from_the_caller():
+    """Never current_device() inside a thread: the device is an argument, and
+    the only call of current_device() in the data plane is where a caller
+    captures its own context (DeviceContext.current)."""
+    conn = make("tcp", "attention", free_port(), device="meta")
+    assert conn.device == torch.device("meta") and conn._hello().device_kind == "meta"
+    with pytest.raises(ValueError, match="needs a communicator_factory"):
+        make("nccl", "attention", free_port(), communicator_factory=None)
+    with pytest.raises(ValueError, match=r"needs a device of type \('cpu',\)"):
+        make("nccl", "attention", free_port(), device="meta")
+    import vllm.afd
+
+    root = Path(vllm.afd.__file__).parent
+    data_plane = [*root.glob("transport/**/*.py"), root / "attention/link.py",
+                  root / "attention/pingpong.py", root / "ffn/loop.py"]
+    calls = [f"{p.relative_to(root)}:{line.strip()}" for p in data_plane
+             for line in p.read_text().splitlines() if ".current_device()" in line]
+    assert calls == ["transport/device.py:device = torch.device(device.type, "
+                     "module.current_device())"], calls
+
+
+# ----------------------------------------------------------- peer devices
+@pytest.mark.parametrize("kind, accepted", [("tcp", True), ("shm", True),
+                                            ("loopback", False), ("nccl", False)])
+def test_peers_on_other_device_kinds(kind, accepted):
+    """shm and tcp stage through host memory: a CPU FFN serves a peer whose
+    tensors live elsewhere. loopback and nccl keep payloads on the device:
+    the FFN refuses such a peer, naming device_kind."""
+    port = free_port()
+    ffn = make(kind, "ffn", port, timeout_s=3)
+    extra = {"communicator_factory": type("F", (FakeNccl,), {"device_types": ("meta",)})()} \
+        if kind == "nccl" else {}
+    attn = make(kind, "attention", port, timeout_s=3, device="meta", **extra)
+    waiter = Background(ffn.connect)
+    try:
+        if accepted:
+            attn.connect()
+            waiter.join_result()
+        else:
+            with pytest.raises(Exception, match="device_kind: expected 'cpu', received 'meta'"):
+                attn.connect()
+            assert "device_kind" in (ffn.last_refusal or "")
+    finally:
+        attn.close()
+        ffn.close()
+
+
+# --------------------------------------------------------------- nccl
+class BlockingNccl(FakeNccl):
+    """A fake NCCL whose init or destroy never returns (a peer that died
+    between the handshake and init, operations pending at close)."""
+
+    def __init__(self, block_create=False, block_destroy=False) -> None:
+        super().__init__()
+        self.block_create, self.block_destroy = block_create, block_destroy
+        self.never = threading.Event()
+
+    def create(self, unique_id, rank, world_size, device):
+        if self.block_create:
+            self.never.wait()
+        return super().create(unique_id, rank, world_size, device)
+
+    def destroy(self, comm) -> None:
+        if self.block_destroy:
+            self.never.wait()
+        super().destroy(comm)
+
+
+def test_nccl_init_waits_for_the_attention_sides_confirm():
+    """The attention side checks the ack first: when it refuses (here: ids of
+    the wrong size), neither side has entered NCCL init, and the FFN goes on
+    accepting."""
+    factory = FakeNccl()
+    factory.unique_id = lambda: b"short"  # what a broken FFN would announce
+    port = free_port()
+    ffn = make("nccl", "ffn", port, timeout_s=3, communicator_factory=factory)
+    attn = make("nccl", "attention", port, timeout_s=3, communicator_factory=factory)
+    waiter = Background(ffn.connect)
+    try:
+        with pytest.raises(Exception, match=r"unique_ids: expected 2 ids of 128 bytes"):
+            attn.connect()
+        time.sleep(0.2)
+        assert factory.created == []  # nobody entered NCCL init
+        assert "refused our HelloAck" in (ffn.last_refusal or "") and waiter.is_alive()
+    finally:
+        attn.close()
+        ffn.close()
+
+
+def test_nccl_init_has_a_deadline_and_close_never_blocks():
+    factory = BlockingNccl(block_create=True)
+    port = free_port()
+    ffn = make("nccl", "ffn", port, timeout_s=1.5, communicator_factory=factory)
+    attn = make("nccl", "attention", port, timeout_s=1.5, communicator_factory=factory)
+    waiter = Background(ffn.connect)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(AFDTimeoutError, match="NCCL init with FFN rank 0 did not complete "
+                                                   r"within 1.5s"):
+            attn.connect()
+        assert time.monotonic() - t0 < 5
+    finally:
+        attn.close()
+        ffn.close()
+    # Destroy blocking forever: close() still returns.
+    from vllm.afd.transport.connectors import nccl
+
+    factory = BlockingNccl(block_destroy=True)
+    attn, ffn = connect_pair("nccl", communicator_factory=factory)
+    nccl_timeout, nccl.CLOSE_TIMEOUT_S = nccl.CLOSE_TIMEOUT_S, 0.3
+    try:
+        t0 = time.monotonic()
+        attn.close()
+        ffn.close()
+        assert time.monotonic() - t0 < 3
+    finally:
+        nccl.CLOSE_TIMEOUT_S = nccl_timeout
+        factory.never.set()
+
+
+def test_nccl_attention_side_receives_into_the_callers_buffer():
+    """The attention side's received tensors are the model's own outputs
+    (counted when the KV cache is sized): no buffer of the connector's."""
+    attn, ffn = connect_pair("nccl")
+    try:
+        for step in (1, 2):
+            attn.send_step(StepHeader(step_id=step, num_tokens=[3]))
+            ffn.recv_step(0)
+            attn.send_hidden(0, 0, torch.ones(3, H))
+            ffn.send_output(0, 0, 0, ffn.recv_hidden(0, 0, 0) + 1)
+            out = torch.empty(3, H)
+            assert attn.recv_output(0, 0, out=out) is out and torch.equal(out, out * 0 + 2)
+        assert attn._device_buffers == {} and len(ffn._device_buffers) == 1
+    finally:
+        attn.close()
+        ffn.close()
+
+
+# ---------------------------------------------------------- the FFN role
+def _loop(compute, max_tokens=MAX_TOKENS, connector="loopback", port=None, **kwargs):
+    return FFNLoop(LinkConfig(role="ffn", connector=connector, port=port or free_port(),
+                              timeout_s=5), layers=[0, 1], compute=compute,
+                   hidden_size=HIDDEN, dtype=torch.float32, max_tokens=max_tokens,
+                   placement=FFNPlacement(rank=0, group=[0]), **kwargs)
+
+
+def test_ffn_warms_up_before_it_listens():
+    """Every layer at every token bucket it will see, before any peer can
+    connect (no connector exists yet; ready is not set)."""
+    seen = []
+    loop = None
+
+    def compute(layer, h, routing):
+        seen.append((layer, h.shape[0], loop.connector is None, loop.ready.is_set()))
+        return h
+
+    loop = _loop(compute, max_tokens=48)
+    loop.start()
+    try:
+        assert loop.ready.wait(10)
+        sizes = warmup_buckets(48)
+        assert sizes == [1, 2, 4, 8, 16, 32, 48]
+        assert [(layer, n) for layer, n, _, _ in seen] == [(layer, n) for n in sizes
+                                                          for layer in (0, 1)]
+        assert all(no_connector and not ready for _, _, no_connector, ready in seen)
+        assert loop.status()["warmup"]["calls"] == 2 * len(sizes)
+    finally:
+        loop.stop()
+
+
+def test_attention_link_counts_dummy_runs_and_sends_no_frame():
+    """Profile, warm-up and capture runs, named by the runner: no FFN exists,
+    yet they complete at once and write zeros; a real step then needs one."""
+    link = AttentionLink(LinkConfig(connector="tcp", port=free_port(), timeout_s=1),
+                         hidden_size=HIDDEN, dtype=torch.float32, max_tokens=MAX_TOKENS)
+    link.add_layer(0)
+    try:
+        for kind in ("profile", "warmup", "capture"):
+            link.begin_step(StepPlan(kind=kind))
+            out = torch.full((3, HIDDEN), 7.0)
+            link.exchange(0, torch.ones(3, HIDDEN), out)
+            link.end_step()
+            assert torch.equal(out, torch.zeros(3, HIDDEN))
+        doc = link.document()
+        assert doc["dummy_runs"] == {"profile": 1, "warmup": 1, "capture": 1}
+        assert doc["steps"] == 0 and doc["bytes_sent"] == 0
+        with pytest.raises(RuntimeError, match="called outside a step"):
+            link.exchange(0, torch.ones(3, HIDDEN), out)
+        from vllm.afd.transport.errors import AFDLinkDown
+
+        with pytest.raises(AFDLinkDown):
+            link.begin_step(StepPlan(num_tokens=(3,)))
+    finally:
+        link.close()
+
+
+def test_data_plane_logs_through_stdlib_logging():
+    """The data plane uses logging.getLogger (its records still reach vLLM's
+    handlers, under the `vllm` logger), never vllm.logger."""
+    import vllm.afd
+
+    root = Path(vllm.afd.__file__).parent
+    for path in [*root.glob("transport/**/*.py"), root / "attention/link.py",
+                 root / "attention/pingpong.py", root / "attention/status.py",
+                 root / "ffn/loop.py", root / "ffn/batcher.py"]:
+        text = path.read_text()
+        assert not re.search(r"^\s*(from|import) vllm\.(?!afd)", text, re.M), path

@@ -1,0 +1,214 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""Rules the vLLM adapter enforces, each with a test that fails without it:
+the graph-safe remote FFN op, the compilation settings a CUDA attention
+server gets, the configurations AFD refuses, and the FFN role's memory.
+
+The CUDA case resolves a real VllmConfig with vLLM's CUDA platform object in
+a subprocess (its native extension stubbed: only configuration code runs, no
+kernel); what a captured graph does on a GPU is tools/gpu_check's.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vllm.afd.attention.link import AttentionLink, StepPlan
+from vllm.afd.ffn.loop import FFNLoop
+from vllm.afd.topology import FFNPlacement
+from vllm.afd.transport.config import LinkConfig
+
+from test_connectors import free_port
+
+HIDDEN = 32
+ALLOCATING = {"empty", "empty_like", "new_empty", "clone", "zeros", "zeros_like", "ones",
+              "full", "_to_copy", "empty_strided", "new_zeros", "cat"}
+
+
+class AtenOps(TorchDispatchMode):
+    """Records the aten ops run inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def shm_link(monkeypatch):
+    """An attention link and an FFN loop (mlp: h * 2 + layer) over shm, the
+    link installed as this process's (what RemoteFFN uses)."""
+    from vllm.afd.attention import runner
+
+    port = free_port()
+    loop = FFNLoop(LinkConfig(role="ffn", port=port, timeout_s=10), layers=[0, 1],
+                   compute=lambda layer, h, routing: h * 2 + layer, hidden_size=HIDDEN,
+                   dtype=torch.float32, max_tokens=16, placement=FFNPlacement(0, [0]),
+                   warmup_sizes=[])
+    loop.start()
+    link = AttentionLink(LinkConfig(port=port, timeout_s=10), hidden_size=HIDDEN,
+                         dtype=torch.float32, max_tokens=16)
+    link.add_layer(0)
+    link.add_layer(1)
+    link.start()
+    monkeypatch.setattr(runner, "_link", link)
+    yield link
+    link.close()
+    loop.stop()
+
+
+def test_remote_ffn_op_mutates_its_output_and_allocates_nothing(shm_link):
+    from vllm.afd.model.remote_ffn import _afd_remote_ffn
+
+    schema = torch.ops.vllm.afd_remote_ffn.default._schema
+    output_arg = schema.arguments[1]
+    assert output_arg.name == "output" and output_arg.alias_info.is_write
+    assert len(schema.returns) == 0
+    h = torch.randn(5, HIDDEN)
+    shm_link.begin_step(StepPlan(num_tokens=(5,)))
+    for layer in (0, 1):
+        out = torch.full((5, HIDDEN), float("nan"))
+        ptr = out.data_ptr()
+        with AtenOps() as ops:
+            _afd_remote_ffn(h, out, layer)
+        assert out.data_ptr() == ptr and torch.equal(out, h * 2 + layer)
+        assert not ALLOCATING & set(ops.names), ops.names
+    shm_link.end_step()
+    assert shm_link.stats.steps == 1 and shm_link.stats.layer_calls == 2
+
+
+def test_an_abandoned_step_resyncs_the_ffn(shm_link):
+    """The model failed between two exchanges: end_step(failed) tells the FFN
+    (it drops the session) and the link reconnects; the next step works."""
+    h = torch.ones(2, HIDDEN)
+    shm_link.begin_step(StepPlan(num_tokens=(2,)))
+    shm_link.exchange(0, h, torch.empty(2, HIDDEN))
+    shm_link.end_step(failed=True)  # layer 1 never came
+    assert shm_link.state == "down" and "abandoned step" in shm_link.last_error
+    shm_link._await_first_connection()
+    import time
+
+    deadline = time.monotonic() + 10
+    while shm_link.connector is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    shm_link.begin_step(StepPlan(num_tokens=(2,)))
+    outs = [shm_link.exchange(layer, h, torch.empty(2, HIDDEN)) for layer in (0, 1)]
+    shm_link.end_step()
+    assert torch.equal(outs[1], h * 2 + 1)
+
+
+CUDA_CONFIG = textwrap.dedent('''
+    import json, sys, types
+    from vllm.engine.arg_utils import EngineArgs
+    model, afd, compilation = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    model_config = EngineArgs(model=model, max_model_len=512).create_model_config()
+    # vLLM's CUDA platform, as a GPU server resolves it; its kernels are never called.
+    sys.modules["vllm._C_stable_libtorch"] = types.ModuleType("vllm._C_stable_libtorch")
+    import vllm.platforms as platforms
+    from vllm.platforms.cuda import CudaPlatform
+    from vllm.platforms.interface import DeviceCapability
+    platforms._current_platform = CudaPlatform()
+    CudaPlatform.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(9, 0))
+    from vllm.afd.config import AFDConfig
+    from vllm.config import CompilationConfig, VllmConfig
+    try:
+        config = VllmConfig(model_config=model_config,
+                            compilation_config=CompilationConfig(**compilation),
+                            afd_config=AFDConfig(**afd) if afd else None)
+    except Exception as e:
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+    else:
+        cc = config.compilation_config
+        print(json.dumps({"platform": type(platforms.current_platform).__name__,
+                          "mode": int(cc.mode), "cudagraph_mode": cc.cudagraph_mode.name,
+                          "splitting_ops": cc.splitting_ops}))
+''')
+
+
+def resolve_on_cuda(models_dir, afd: dict | None, compilation: dict | None = None) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CUDA_CONFIG, str(models_dir / "tiny-qwen3-moe"),
+                           json.dumps(afd), json.dumps(compilation or {})],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_cuda_attention_role_splits_the_graph_at_the_remote_ffn(models_dir):
+    """A VllmConfig resolved for the CUDA platform: plain vLLM's default is
+    FULL_AND_PIECEWISE graphs; the attention role gets piecewise graphs split
+    at the remote FFN op (its exchange runs eagerly between the captured
+    attention pieces), never a FULL mode; the FFN role is left alone."""
+    plain = resolve_on_cuda(models_dir, None)
+    assert plain["platform"].endswith("CudaPlatform") and plain["mode"] == 3  # VLLM_COMPILE
+    assert plain["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert "vllm::afd_remote_ffn" not in plain["splitting_ops"]
+    attention = resolve_on_cuda(models_dir, {"role": "attention"})
+    assert attention["cudagraph_mode"] == "PIECEWISE"
+    assert "vllm::afd_remote_ffn" in attention["splitting_ops"]
+    assert set(plain["splitting_ops"]) < set(attention["splitting_ops"])
+    ffn = resolve_on_cuda(models_dir, {"role": "ffn"})
+    assert "vllm::afd_remote_ffn" not in ffn["splitting_ops"]
+    # Asked for explicitly, a FULL mode is refused, naming the option.
+    full = resolve_on_cuda(models_dir, {"role": "attention"}, {"cudagraph_mode": "FULL"})
+    assert "compilation_config.cudagraph_mode=FULL cannot be combined with the AFD " \
+           "connector 'shm'" in full["error"]
+    piecewise = resolve_on_cuda(models_dir, {"role": "attention"},
+                                {"cudagraph_mode": "PIECEWISE"})
+    assert piecewise["cudagraph_mode"] == "PIECEWISE"
+
+
+@pytest.mark.parametrize("args, env, message", [
+    ({"enable_dbo": True}, {}, "--enable-dbo (vLLM's dual-batch overlap) cannot be combined "
+                              "with AFD"),
+    ({}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "VLLM_USE_V2_MODEL_RUNNER=1 cannot be combined "
+                                            "with AFD"),
+    ({"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}, {},
+     "compilation_config.cudagraph_mode=FULL_DECODE_ONLY cannot be combined"),
+    ({"afd_config": {"connector": "nccl"}}, {}, "AFDConfig.connector='nccl' keeps payloads on "
+                                                "the device and needs cuda devices; this "
+                                                "server runs on cpu"),
+])
+def test_what_cannot_work_is_refused_naming_the_option(models_dir, monkeypatch, args, env,
+                                                       message):
+    from vllm.engine.arg_utils import EngineArgs
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    kwargs = dict(model=str(models_dir / "tiny-qwen3-moe"), max_model_len=512,
+                  afd_role="attention", **args)
+    with pytest.raises(Exception, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineArgs(**kwargs).create_engine_config()
+    # The same without AFD is upstream's business (no AFD error).
+    kwargs.pop("afd_role")
+    kwargs.pop("afd_config", None)
+    try:
+        EngineArgs(**kwargs).create_engine_config()
+    except Exception as e:  # noqa: BLE001 - whatever upstream says, it is not ours
+        assert "AFD" not in str(e), e
+
+
+def test_ffn_role_does_not_ask_for_the_kv_cache_budget():
+    """Worker.init_device's check: free memory must cover
+    gpu_memory_utilization of the device. On a GPU another server already
+    holds half of: the attention role (upstream's check) is refused, the FFN
+    role (no KV cache) starts."""
+    import vllm.afd.seams as seams
+    from vllm.afd.config import AFDConfig
+
+    snapshot = SimpleNamespace(total_memory=80 << 30, free_memory=40 << 30, device_="cuda:0")
+    cache = SimpleNamespace(gpu_memory_utilization=0.9)
+    ffn = SimpleNamespace(afd_config=AFDConfig(role="ffn"))
+    assert seams.request_memory(ffn, snapshot, cache) == 0
+    attention = SimpleNamespace(afd_config=AFDConfig(role="attention"))
+    with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
+        seams.request_memory(attention, snapshot, cache)

@@ -1,0 +1,83 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""The data plane on its own: tools/gpu_check, run here with --device cpu.
+
+The GPU check runs on a machine with torch and no vLLM. Here it runs the same
+way: the installed wheel's vllm/afd is copied into a tree whose `vllm` package
+is empty, so any import of vLLM proper would fail, and the script runs there
+in a fresh interpreter. Its reference MoE decoder, split the AFD way, drives
+both roles through the real data plane (loopback in one process; shm and tcp
+as two processes), m = 1..4 micro-batches and routing from the attention side,
+and must give the bits the model gives run whole. The CUDA-only checks report
+themselves skipped with the reason.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+GPU_CHECK = REPO / "tools" / "gpu_check"
+
+
+@pytest.fixture(scope="module")
+def data_plane_tree(tmp_path_factory) -> Path:
+    """vllm/afd of the installed wheel under an empty `vllm` package."""
+    import vllm.afd
+
+    root = tmp_path_factory.mktemp("no-vllm")
+    shutil.copytree(Path(vllm.afd.__file__).parent, root / "vllm" / "afd",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "vllm" / "__init__.py").write_text("")
+    return root
+
+
+def run_in(tree: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=tree, capture_output=True, text=True,
+                          timeout=timeout, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tree),
+                                                "HOME": str(tree)})
+
+
+def test_data_plane_imports_nothing_from_vllm(data_plane_tree):
+    """A fresh interpreter imports every data-plane module: the only vllm.*
+    modules loaded are vllm.afd's (and the empty `vllm` package)."""
+    code = ("import importlib, json, sys\n"
+            "mods = json.loads(sys.argv[1])\n"
+            "for m in mods: importlib.import_module(m)\n"
+            "print(json.dumps(sorted(k for k in sys.modules if k.split('.')[0] == 'vllm')))\n")
+    modules = [
+        "vllm.afd.transport.connectors.shm", "vllm.afd.transport.connectors.tcp",
+        "vllm.afd.transport.connectors.loopback", "vllm.afd.transport.connectors.nccl",
+        "vllm.afd.transport.handshake", "vllm.afd.transport.buffers",
+        "vllm.afd.attention.link", "vllm.afd.attention.pingpong", "vllm.afd.ffn.loop",
+        "vllm.afd.ffn.batcher", "vllm.afd.kernels.ops"]
+    proc = run_in(data_plane_tree, "-c", code, json.dumps(modules))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = json.loads(proc.stdout.splitlines()[-1])
+    assert set(modules) <= set(loaded)
+    outside = [m for m in loaded if m != "vllm" and not m.startswith("vllm.afd")]
+    assert outside == [], outside
+    # And the tree really has no vLLM: the adapter cannot be imported there.
+    proc = run_in(data_plane_tree, "-c", "import vllm.afd.seams, vllm.afd.attention.runner")
+    assert proc.returncode != 0 and "vllm.forward_context" in proc.stderr, proc.stderr[-500:]
+
+
+def test_gpu_check_passes_on_cpu(data_plane_tree, kernel_paths):
+    report_path = data_plane_tree / "gpu-check.json"
+    proc = run_in(data_plane_tree, str(GPU_CHECK), "--device", "cpu", "--out",
+                  str(report_path))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(report_path.read_text())["checks"]
+    passed = {name for name, c in report.items() if c["status"] == "pass"}
+    assert passed == {"imports", "kernels", "harness-loopback", "harness-shm", "harness-tcp",
+                      "harness-shm-routed", "dummy-runs", "threads", "ffn-errors"}, report
+    for name in ("stream-order", "graphs"):
+        assert report[name]["status"] == "skip" and "CUDA" in report[name]["detail"]
+    for name in ("harness-loopback", "harness-shm", "harness-tcp"):
+        assert "m=4" in report[name]["detail"]
+    kernel_paths.add("tools/gpu_check --device cpu: " + ", ".join(
+        f"{n} {c['status']}" for n, c in report.items()))

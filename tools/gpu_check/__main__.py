@@ -1,0 +1,429 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""The GPU check: the AFD data plane on a device, without vLLM.
+
+    python tools/gpu_check [--device cuda|cpu] [--out report.json]
+        [--only NAME[,NAME]] [--skip NAME[,NAME]]
+
+One command for a machine that has torch (CUDA torch and nvcc for the GPU
+parts) and neither vLLM nor a network: run it from a checkout whose vllm/
+holds only vllm/afd (git tracks nothing else there), with msgspec installed.
+`make test` runs the same script with --device cpu (tests/afd/test_harness.py),
+so only the device-specific lines go unexercised without a GPU.
+
+Checks (each passes, fails, or is skipped with the reason):
+  imports       the data plane loads no vllm.* module outside vllm.afd
+  kernels       the `afd` op library built against the local torch (CUDA:
+                with csrc/cuda), gather/scatter against torch, a repeated
+                scatter index refused
+  harness-*     a reference MoE decoder split the AFD way: both roles through
+                the real data plane (loopback in one process; shm and tcp as
+                two processes on one device), micro-batches m = 1..4 ping-ponged,
+                routing from the attention side; outputs identical to the model
+                run whole, micro-batch by micro-batch
+  dummy-runs    profile/warm-up/capture steps send no frame and need no FFN
+  threads       every data-plane thread enters the device and stream it was
+                handed (ping-pong workers, link supervisor, FFN loop)
+  ffn-errors    an FFN-side exception reaches the attention side with its text
+  stream-order  (CUDA) producers delayed with torch.cuda._sleep on a side stream:
+                the transfers wait for them; a copy without the fence reads stale
+                data (the negative control shows the check can fail)
+  graphs        (CUDA) the attention parts captured as CUDA graphs, the exchange
+                run eagerly between them (piecewise), replayed with new inputs:
+                equal to eager
+Exit status 0 when nothing failed.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+if "vllm" not in sys.modules and not (Path.cwd() / "vllm" / "__init__.py").exists():
+    sys.path.insert(0, str(REPO))  # the checkout's vllm/afd (a namespace package)
+
+import torch  # noqa: E402
+
+DATA_PLANE = [
+    "vllm.afd.transport.wire", "vllm.afd.transport.handshake", "vllm.afd.transport.auth",
+    "vllm.afd.transport.buffers", "vllm.afd.transport.device", "vllm.afd.transport.config",
+    "vllm.afd.transport.connectors.base", "vllm.afd.transport.connectors.shm",
+    "vllm.afd.transport.connectors.tcp", "vllm.afd.transport.connectors.loopback",
+    "vllm.afd.transport.connectors.nccl", "vllm.afd.attention.link",
+    "vllm.afd.attention.pingpong", "vllm.afd.attention.status", "vllm.afd.ffn.loop",
+    "vllm.afd.ffn.batcher", "vllm.afd.kernels.ops", "vllm.afd.observability.metrics",
+    "vllm.afd.observability.stats", "vllm.afd.topology",
+]
+
+
+class Skip(Exception):
+    pass
+
+
+# ------------------------------------------------------------------- checks
+def check_imports(args) -> str:
+    import importlib
+
+    for name in DATA_PLANE:
+        importlib.import_module(name)
+    foreign = sorted(m for m in sys.modules
+                     if m.startswith("vllm.") and not m.startswith("vllm.afd"))
+    vllm = sys.modules.get("vllm")
+    init = getattr(vllm, "__file__", None)
+    if foreign:
+        raise AssertionError(f"the data plane loaded vLLM modules: {foreign[:10]}")
+    if init and Path(init).stat().st_size > 0:
+        raise AssertionError(f"vllm is a real vLLM package here ({init}); run from a tree "
+                             f"with only vllm/afd")
+    return f"{len(DATA_PLANE)} data-plane modules, no vllm.* module outside vllm.afd"
+
+
+def check_kernels(args) -> str:
+    from vllm.afd.kernels import ops
+
+    device = args.device
+    if device == "cuda":
+        from torch.utils.cpp_extension import load
+
+        csrc = REPO / "csrc"
+        sources = [csrc / "torch_bindings.cpp", *sorted((csrc / "cpu").glob("*.cpp")),
+                   *sorted((csrc / "cuda").glob("*.cu"))]
+        build = Path(os.environ.get("AFD_GPU_CHECK_BUILD", "/tmp/afd-gpu-check-build"))
+        build.mkdir(parents=True, exist_ok=True)
+        load(name="afd_C", sources=[str(s) for s in sources], build_directory=str(build),
+             extra_cflags=["-O3"], extra_cuda_cflags=["-O3"], is_python_module=False,
+             verbose=False)
+        ops.load(str(build / "afd_C.so"))
+    else:
+        try:
+            ops.load()
+        except ImportError as e:
+            raise Skip(f"vllm/afd/_C is not built here ({e}); the wheel has it") from None
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.int8):
+        src = (torch.randn(70, 3, 40, generator=g) * 10).to(dtype).to(device)
+        index = torch.randperm(70, generator=g)[:50].to(device)
+        out = ops.gather_rows(src, index)
+        assert torch.equal(out, src.index_select(0, index)), dtype
+        dst = torch.zeros_like(src)
+        ops.scatter_rows(out, index, dst)
+        assert torch.equal(dst, torch.zeros_like(src).index_copy_(0, index, out)), dtype
+    if device == "cpu":
+        try:
+            ops.scatter_rows(src[:2], torch.tensor([1, 1]), torch.zeros_like(src))
+        except RuntimeError as e:
+            assert "repeats" in str(e)
+        else:
+            raise AssertionError("a repeated scatter index was accepted")
+    else:  # a device-side assert ends the process: try it in a child
+        import subprocess
+
+        code = ("import torch, sys; sys.path[:0] = %r; from vllm.afd.kernels import ops; "
+                "ops.load(%r); s = torch.ones(2, 8, device='cuda'); "
+                "ops.scatter_rows(s, torch.tensor([1, 1], device='cuda'), "
+                "torch.zeros(4, 8, device='cuda')); torch.cuda.synchronize()"
+                % (sys.path[:3], str(build / "afd_C.so")))
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               timeout=120)
+        assert child.returncode != 0, "a repeated scatter index was accepted on the device"
+    return f"gather/scatter match torch on {device} (fp32, bf16, int8); repeats refused"
+
+
+def _harness(args, connector: str, gate_on_attention: bool = False) -> str:
+    from roles import AttentionRole, FFNProcess, FFNRole, free_port, sample_batch
+
+    device, dtype = args.device, torch.float32
+    port = free_port()
+    ffn = (FFNRole(connector, port, device, dtype, gate_on_attention).start()
+           if connector == "loopback" else
+           FFNProcess(connector, port, device, dtype, gate_on_attention).start())
+    attn = AttentionRole(connector, port, device, dtype, gate_on_attention)
+    results = []
+    try:
+        with torch.inference_mode():
+            for m in (1, 2, 3, 4):
+                tokens, ubatches = sample_batch(m, device, seed=m)
+                got = attn.step(tokens, ubatches)
+                want = attn.model.reference(tokens, ubatches)
+                if not torch.equal(got, want):
+                    raise AssertionError(f"m={m}: max |diff| {(got - want).abs().max():.3g}")
+                results.append(f"m={m}:{sum(map(sum, ubatches))}tok")
+        stats = attn.link.stats
+        routed = f", {stats.routed_calls} routed calls" if gate_on_attention else ""
+        assert stats.steps == 4 and stats.layer_calls == 3 * (1 + 2 + 3 + 4), stats
+        if gate_on_attention:
+            assert stats.routed_calls == 2 * (1 + 2 + 3 + 4), stats
+    finally:
+        attn.close()
+        ffn.stop()
+    return f"identical to the whole model ({', '.join(results)}{routed})"
+
+
+def check_dummy_runs(args) -> str:
+    """Profile, warm-up and capture runs never reach the link: with no FFN at
+    all they complete at once, and write zeros as the remote layers' output."""
+    from roles import AttentionRole, free_port, sample_batch
+
+    attn = AttentionRole("tcp", free_port(), args.device, torch.float32)
+    try:
+        tokens, ubatches = sample_batch(1, args.device, seed=0)
+        t0 = time.monotonic()
+        for kind in ("profile", "warmup", "capture"):
+            attn.step(tokens, ubatches, kind=kind)
+        elapsed = time.monotonic() - t0
+        doc = attn.link.document()
+        assert elapsed < 5 and doc["steps"] == 0 and doc["bytes_sent"] == 0, (elapsed, doc)
+        assert doc["dummy_runs"] == {"profile": 1, "warmup": 1, "capture": 1}, doc
+    finally:
+        attn.close()
+    return f"3 dummy runs without an FFN in {elapsed:.2f}s, no frame sent"
+
+
+def check_threads(args) -> str:
+    """Every thread the data plane starts enters the device and stream it was
+    handed: on CUDA a side stream, never device 0's default stream (on the CPU
+    the stream is a token, and what is checked is that the thread entered it)."""
+    from roles import AttentionRole, FFNRole, free_port, sample_batch
+    from vllm.afd.transport.device import DeviceContext, entered_context
+
+    device = args.device
+    handed = {"ffn": DeviceContext(device, torch.cuda.Stream() if device == "cuda"
+                                   else "ffn-stream"),
+              "attention": DeviceContext(device, torch.cuda.Stream() if device == "cuda"
+                                         else "attention-stream")}
+    seen: dict[str, tuple] = {}
+
+    def record(name: str, context) -> None:
+        current = torch.cuda.current_stream() if device == "cuda" else None
+        seen[name] = (context, entered_context(), current)
+
+    port = free_port()
+    ffn = FFNRole("loopback", port, device, torch.float32, on_thread=record)
+    ffn.start(handed["ffn"])
+    attn = AttentionRole("loopback", port, device, torch.float32, on_thread=record,
+                         context=handed["attention"])
+    try:
+        tokens, ubatches = sample_batch(3, device, seed=3)
+        with handed["attention"].entered():  # the runner's own thread
+            got = attn.step(tokens, ubatches)
+        assert torch.equal(got, attn.model.reference(tokens, ubatches))
+    finally:
+        attn.close()
+        ffn.stop()
+    for u, context in attn.threads_seen:
+        seen.setdefault(f"afd-ubatch-{u}", (context, context, None))
+    problems = []
+    for name, (context, entered, current) in seen.items():
+        want = handed["ffn" if name == "afd-ffn-loop" else "attention"]
+        if context is not want or entered is not want:
+            problems.append(f"{name}: entered {entered}, handed {want}")
+        if device == "cuda" and current is not None and current != want.stream:
+            problems.append(f"{name}: current stream {current}, handed {want.stream}")
+    expected = {"afd-ffn-loop", "afd-link", "afd-ubatch-0", "afd-ubatch-1", "afd-ubatch-2"}
+    if expected - set(seen) or problems:
+        raise AssertionError(f"missing {sorted(expected - set(seen))}; {problems}")
+    return f"{len(seen)} threads entered the device and stream they were handed"
+
+
+def check_ffn_errors(args) -> str:
+    from roles import AttentionRole, FFNRole, free_port, sample_batch
+    from vllm.afd.transport.errors import AFDLinkDown
+
+    def broken(layer, h, routing):
+        if layer == 1:
+            raise ValueError("expert weights are NaN")
+        return h
+
+    port = free_port()
+    ffn = FFNRole("loopback", port, args.device, torch.float32).start()
+    assert ffn.loop.ready.wait(30)
+    ffn.loop.compute_fn = broken  # after warm-up: the failure comes mid-step
+    attn = AttentionRole("loopback", port, args.device, torch.float32)
+    try:
+        tokens, ubatches = sample_batch(1, args.device, seed=1)
+        try:
+            attn.step(tokens, ubatches)
+        except AFDLinkDown as e:
+            text = str(e)
+        else:
+            raise AssertionError("the step succeeded with a failing FFN")
+    finally:
+        attn.close()
+        ffn.stop()
+    for needle in ("the mlp of layer 1 failed", "ValueError: expert weights are NaN"):
+        assert needle in text, text
+    return "the attention side's error names it: " + text[text.find("FFN rank"):][:100]
+
+
+def check_stream_order(args) -> str:
+    if args.device != "cuda":
+        raise Skip("needs CUDA streams")
+    from roles import AttentionRole, FFNProcess, free_port, sample_batch
+
+    port = free_port()
+    ffn = FFNProcess("shm", port, "cuda", torch.float32).start()
+    side = torch.cuda.Stream()
+    try:
+        with torch.cuda.stream(side):
+            attn = AttentionRole("shm", port, "cuda", torch.float32)
+            original = attn._remote_mlp
+
+            def late_producer(layer, y):
+                # The producer is slow: y is written only after ~10 ms of GPU time.
+                late = torch.empty_like(y)
+                torch.cuda._sleep(20_000_000)
+                late.copy_(y)
+                return original(layer, late)
+
+            attn._remote_mlp = late_producer
+            tokens, ubatches = sample_batch(2, "cuda", seed=7)
+            got = attn.step(tokens, ubatches)
+            want = attn.model.reference(tokens, ubatches)
+            attn.close()
+        assert torch.equal(got, want), (got - want).abs().max()
+        # Negative control: the same copy without the fence reads stale data.
+        src = torch.zeros(1 << 20, device="cuda")
+        host = torch.empty(1 << 20, pin_memory=True)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)
+            src.fill_(1.0)
+        host.copy_(src, non_blocking=True)  # on the default stream: no wait for `side`
+        torch.cuda.synchronize()
+        stale = bool((host == 0).any())
+    finally:
+        ffn.stop()
+    return ("delayed producers on a side stream: outputs identical; an unfenced copy "
+            f"{'read stale data (the check can fail)' if stale else 'happened to be fresh'}")
+
+
+def check_graphs(args) -> str:
+    if args.device != "cuda":
+        raise Skip("needs CUDA graphs")
+    from model import rms_norm
+    from roles import AttentionRole, FFNRole, free_port, sample_batch
+
+    port = free_port()
+    ffn = FFNRole("loopback", port, "cuda", torch.float32).start()
+    attn = AttentionRole("loopback", port, "cuda", torch.float32)
+    model = attn.model
+    try:
+        tokens, ubatches = sample_batch(1, "cuda", seed=11)
+        seq_lens, n = ubatches[0], tokens.numel()
+        static_tokens = tokens.clone()
+        x0 = torch.empty(n, model.hidden, device="cuda")
+        hs = [torch.empty(n, model.hidden, device="cuda") for _ in model.layers]
+        ys = [torch.empty_like(h) for h in hs]
+        outs = [torch.empty_like(h) for h in hs]
+        logits = torch.empty(n, model.lm_head.out_features, device="cuda")
+
+        def piece(i):  # the attention part of layer i, reading the previous exchange
+            x = model.embed(static_tokens) if i == 0 else hs[i - 1] + outs[i - 1]
+            h, y = model.layers[i].attention_part(x, seq_lens)
+            hs[i].copy_(h)
+            ys[i].copy_(y)
+
+        def head():
+            logits.copy_(model.lm_head(rms_norm(hs[-1] + outs[-1], model.norm)))
+
+        graphs = []
+        with torch.inference_mode():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm up before capture
+                for i in range(len(model.layers)):
+                    piece(i)
+                head()
+            torch.cuda.current_stream().wait_stream(side)
+            for i in range(len(model.layers)):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    piece(i)
+                graphs.append(g)
+            g_head = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g_head):
+                head()
+            del x0
+            from vllm.afd.attention.link import StepPlan
+            from vllm.afd.transport.device import DeviceContext
+
+            for seed in (12, 13):  # replays with new inputs
+                new, _ = sample_batch(1, "cuda", seed=seed)
+                new = new[:n] if new.numel() >= n else torch.cat([new, new])[:n]
+                static_tokens.copy_(new)
+                attn.link.begin_step(StepPlan(num_tokens=(n,),
+                                              device=DeviceContext.current("cuda")))
+                for i, g in enumerate(graphs):
+                    g.replay()
+                    attn.link.exchange(i, ys[i], outs[i])  # eager, between the graphs
+                g_head.replay()
+                attn.link.end_step()
+                want = model.reference(static_tokens, [seq_lens])
+                assert torch.equal(logits, want), (seed, (logits - want).abs().max())
+    finally:
+        attn.close()
+        ffn.stop()
+    return f"{len(graphs) + 1} graphs captured, replayed with 2 new inputs: equal to eager"
+
+
+CHECKS = {
+    "imports": check_imports,
+    "kernels": check_kernels,
+    "harness-loopback": lambda a: _harness(a, "loopback"),
+    "harness-shm": lambda a: _harness(a, "shm"),
+    "harness-tcp": lambda a: _harness(a, "tcp"),
+    "harness-shm-routed": lambda a: _harness(a, "shm", gate_on_attention=True),
+    "dummy-runs": check_dummy_runs,
+    "threads": check_threads,
+    "ffn-errors": check_ffn_errors,
+    "stream-order": check_stream_order,
+    "graphs": check_graphs,
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    choices=["cuda", "cpu"])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--only", default="")
+    ap.add_argument("--skip", default="")
+    args = ap.parse_args()
+    only = [n for n in args.only.split(",") if n]
+    skip = {n for n in args.skip.split(",") if n}
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    report = {"device": args.device, "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+              "checks": {}}
+    print(f"AFD GPU check on {args.device} ({report['gpu'] or 'no GPU'}), torch "
+          f"{torch.__version__}", flush=True)
+    failed = 0
+    for name, check in CHECKS.items():
+        if (only and name not in only) or name in skip:
+            continue
+        t0 = time.monotonic()
+        try:
+            detail, status = check(args), "pass"
+        except Skip as e:
+            detail, status = str(e), "skip"
+        except Exception as e:  # noqa: BLE001 - reported, the next check runs
+            detail, status = f"{type(e).__name__}: {e}", "FAIL"
+            traceback.print_exc()
+            failed += 1
+        seconds = time.monotonic() - t0
+        report["checks"][name] = {"status": status, "detail": detail,
+                                  "seconds": round(seconds, 2)}
+        print(f"  {status:4}  {name:20} {seconds:6.1f}s  {detail}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    print("FAILED" if failed else "OK", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
