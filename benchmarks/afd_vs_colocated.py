@@ -546,6 +546,7 @@ def floor_steps(attn, tokens: list[int], hidden: int, dtype, num_layers: int,
     from vllm.afd.transport.wire import StepHeader
 
     hs = [torch.randn(n, hidden).to(dtype) for n in tokens]
+    outs = [torch.empty_like(h) for h in hs]  # as the model gives each layer its output
     times = []
     for i in range(warm + iters):
         t0 = time.perf_counter()
@@ -553,7 +554,7 @@ def floor_steps(attn, tokens: list[int], hidden: int, dtype, num_layers: int,
         for layer in range(num_layers):
             for u, h in enumerate(hs):
                 attn.send_hidden(layer, u, h)
-                attn.recv_output(layer, u)
+                attn.recv_output(layer, u, out=outs[u])
         if i >= warm:
             times.append(time.perf_counter() - t0)
     return times

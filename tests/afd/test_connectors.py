@@ -874,10 +874,64 @@ def test_registry():
         register_connector("rdma", "not a target")
     with pytest.raises(ValueError, match="already registered"):
         register_connector("tcp", "vllm.afd.transport.connectors.shm:ShmConnector")
+    from vllm.afd.transport.connectors.registry import unregister_connector
+
     register_connector("tcp-again", "vllm.afd.transport.connectors.tcp:TcpConnector")
-    assert type(create_connector(cfg, name="tcp-again", hidden_size=8, dtype=torch.float32,
-                                 max_tokens=1)) is TcpConnector
+    try:
+        assert type(create_connector(cfg, name="tcp-again", hidden_size=8, dtype=torch.float32,
+                                     max_tokens=1)) is TcpConnector
+    finally:
+        unregister_connector("tcp-again")
     with pytest.raises(ValueError, match="float64 cannot travel"):
         make("tcp", "attention", 7700, dtype=torch.float64)
     with pytest.raises(ValueError, match="attention rank 3 is not in 0-0"):
         make("tcp", "attention", 7700, rank=3)
+
+
+def test_a_registered_connector_carries_its_own_handshake_data():
+    """AFDConfig.connector names any registered connector; its handshake data
+    travels in Hello.transport / HelloAck.transport, and its own check of the
+    ack refuses (the FFN hears why in the HelloConfirm)."""
+    from vllm.afd.transport.connectors.registry import unregister_connector
+
+    register_connector("keyed-tcp", "plugin_connector:KeyedTcpConnector")
+    try:
+        assert "keyed-tcp" in connector_names()
+        port = free_port()
+        configs = [AFDConfig(role=role, connector="keyed-tcp", port=port, timeout_s=5,
+                             connector_extra_config={"key": 21}) for role in ("ffn", "attention")]
+        ffn, attn = (create_connector(c, hidden_size=HIDDEN, dtype=torch.float32,
+                                      max_tokens=MAX_TOKENS) for c in configs)
+        waiter = Background(ffn.connect)
+        attn.connect()
+        waiter.join_result()
+        assert [(k.side, k.key) for k in ffn.received] == [("attention", 21)]
+        assert [(k.side, k.key) for k in attn.received] == [("ffn", 42)]
+        attn.close()
+        ffn.close()
+        # A mismatched key: the attention side refuses the ack and says why.
+        port = free_port()
+        ffn = create_connector(AFDConfig(role="ffn", connector="keyed-tcp", port=port,
+                                         timeout_s=3, connector_extra_config={"key": 1}),
+                               hidden_size=HIDDEN, dtype=torch.float32, max_tokens=MAX_TOKENS)
+        attn = create_connector(AFDConfig(role="attention", connector="keyed-tcp", port=port,
+                                          timeout_s=3, connector_extra_config={"key": 5}),
+                                hidden_size=HIDDEN, dtype=torch.float32, max_tokens=MAX_TOKENS)
+        waiter = Background(ffn.connect)
+        with pytest.raises(ProtocolError, match="key 6, expected 10"):
+            attn.connect()
+        deadline = time.monotonic() + 5
+        while "refused our HelloAck" not in (ffn.last_refusal or ""):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert "key 6, expected 10" in ffn.last_refusal
+        attn.close()
+        ffn.close()
+        with pytest.raises(ValueError, match=r"unknown key\(s\) \['nope'\] for connector "
+                                             r"'keyed-tcp'"):
+            create_connector(AFDConfig(connector="keyed-tcp",
+                                       connector_extra_config={"nope": 1}),
+                             hidden_size=8, dtype=torch.float32, max_tokens=1)
+    finally:
+        unregister_connector("keyed-tcp")
+    assert "keyed-tcp" not in connector_names()

@@ -62,6 +62,19 @@ class DeferredOps(DeviceOps):
         self.wait_host(event)
 
 
+def shm_pair_on_a_deferred_device():
+    """An shm pair whose attention side consumes on the fake asynchronous
+    device (set before the handshake: the slots take their ops then)."""
+    port = free_port()
+    ffn = make("shm", "ffn", port)
+    attn = make("shm", "attention", port)
+    attn.ops = DeferredOps()
+    waiter = Background(ffn.connect)
+    attn.connect()
+    waiter.join_result()
+    return attn, ffn
+
+
 # ------------------------------------------------------- received tensors
 @pytest.mark.parametrize("kind", ["shm", "tcp", "loopback", "nccl"])
 def test_output_lands_in_the_callers_buffer(kind):
@@ -91,13 +104,7 @@ def test_slot_reuse_waits_for_the_copy_out_of_it():
     of the shared slot lands 0.2 s later. The next send on that micro-batch
     (which lets the FFN overwrite the slot) must wait for it; without the
     event, the FFN's next output would reach the caller's first buffer."""
-    port = free_port()
-    ffn = make("shm", "ffn", port)
-    attn = make("shm", "attention", port)
-    attn.ops = DeferredOps()  # before the handshake: the slots take their ops then
-    waiter = Background(ffn.connect)
-    attn.connect()
-    waiter.join_result()
+    attn, ffn = shm_pair_on_a_deferred_device()
     try:
         attn.send_step(StepHeader(step_id=1, num_tokens=[4]))
         ffn.recv_step(0)
@@ -122,13 +129,7 @@ def test_without_the_slot_event_the_copy_reads_the_next_output(monkeypatch):
     from vllm.afd.transport.buffers import HostSlots
 
     monkeypatch.setattr(HostSlots, "release", lambda self, u: None)
-    port = free_port()
-    ffn = make("shm", "ffn", port)
-    attn = make("shm", "attention", port)
-    attn.ops = DeferredOps()
-    waiter = Background(ffn.connect)
-    attn.connect()
-    waiter.join_result()
+    attn, ffn = shm_pair_on_a_deferred_device()
     try:
         attn.send_step(StepHeader(step_id=1, num_tokens=[4]))
         ffn.recv_step(0)

@@ -11,6 +11,15 @@ holds only vllm/afd (git tracks nothing else there), with msgspec installed.
 `make test` runs the same script with --device cpu (tests/afd/test_harness.py),
 so only the device-specific lines go unexercised without a GPU.
 
+On the project's lent H200 (tools: device `run`), from the repository root, with
+msgspec carried as a wheel for that machine's Python 3.12 (.whl, ignored by git):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/msgspec-*.whl &&
+    PYTHONPATH=/tmp/site python3 tools/gpu_check --out $OUT/gpu-check.json
+
+(about 3 minutes, most of it building the op library; its output goes in the
+session note).
+
 Checks (each passes, fails, or is skipped with the reason):
   imports       the data plane loads no vllm.* module outside vllm.afd
   kernels       the `afd` op library built against the local torch (CUDA:

@@ -43,6 +43,13 @@ def register_connector(name: str, target: str, *, replace: bool = False) -> None
     _CONNECTORS[name] = target
 
 
+def unregister_connector(name: str) -> None:
+    """Forget a registered connector (tests; a plugin being unloaded)."""
+    if name in ("shm", "tcp", "loopback", "nccl"):
+        raise ValueError(f"AFD connector {name!r} is built in")
+    _CONNECTORS.pop(name, None)
+
+
 def _load_entry_points() -> None:
     global _entry_points_loaded
     if _entry_points_loaded:
