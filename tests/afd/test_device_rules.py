@@ -21,8 +21,6 @@ from vllm.afd.attention.link import AttentionLink, StepPlan
 from vllm.afd.ffn.loop import FFNLoop, warmup_buckets
 from vllm.afd.topology import FFNPlacement
 from vllm.afd.transport.config import LinkConfig
-from vllm.afd.transport.connectors import create_connector
-from vllm.afd.transport.connectors.nccl import NcclConnector
 from vllm.afd.transport.device import DeviceOps
 from vllm.afd.transport.errors import AFDTimeoutError
 from vllm.afd.transport.wire import StepHeader
@@ -248,6 +246,13 @@ def test_nccl_init_has_a_deadline_and_close_never_blocks():
                                                    r"within 1.5s"):
             attn.connect()
         assert time.monotonic() - t0 < 5
+        # The FFN's own init timed out too: it dropped that peer (counted) and
+        # its accept ended at its own deadline, not stuck in init.
+        while ffn.handshake_failures == 0:
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.05)
+        waiter.join(5)
+        assert not waiter.is_alive()
     finally:
         attn.close()
         ffn.close()

@@ -200,28 +200,21 @@ def test_tensor_bytes_round_trip(dtype):
     t = (torch.randn(5, 7) * 100).to(dtype)
     buffer = wire.tensor_to_buffer(t)
     assert buffer.nbytes == t.numel() * t.element_size()
-    data = bytes(buffer)
-    back = wire.tensor_from_buffer(data, dtype, [5, 7])  # read-only source
-    assert back.dtype == dtype and torch.equal(back, t)
-    writable = bytearray(data)
-    view = wire.tensor_from_buffer(writable, dtype, [5, 7])
-    writable[:] = bytes(len(writable))  # a view, not a copy
-    assert not view.any()
+    back = torch.frombuffer(bytearray(buffer), dtype=torch.uint8).view(dtype).view(5, 7)
+    assert torch.equal(back, t)
+    buffer[:] = bytes(buffer.nbytes)  # a view of the tensor's memory, not a copy
+    assert not t.any()
 
 
 def test_tensor_bytes_zero_size_and_lifetime():
     empty = torch.empty(0, 16, dtype=torch.bfloat16)
     assert wire.tensor_to_buffer(empty).nbytes == 0
-    assert wire.tensor_from_buffer(b"", torch.bfloat16, [0, 16]).shape == (0, 16)
     buffer = wire.tensor_to_buffer(torch.full((1024,), 3.0))
     gc.collect()  # the view keeps the (otherwise unreferenced) tensor alive
-    assert wire.tensor_from_buffer(bytes(buffer), torch.float32, [1024]).eq(3.0).all()
+    assert torch.frombuffer(bytearray(buffer), dtype=torch.float32).eq(3.0).all()
 
 
 def test_tensor_helpers_reject_bad_input():
-    with pytest.raises(ProtocolError, match=r"payload length: expected 48 \(shape \[4, 3\] x "
-                       r"float32\), received 40"):
-        wire.tensor_from_buffer(bytes(40), torch.float32, [4, 3])
     with pytest.raises(ValueError, match="contiguous"):
         wire.tensor_to_buffer(torch.zeros(4, 4).t())
     with pytest.raises(ValueError, match="float64 cannot travel"):

@@ -12,15 +12,12 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 
-def is_ffn_engine(vllm_config) -> bool:
-    afd = getattr(vllm_config, "afd_config", None)
-    return afd is not None and afd.is_ffn
-
-
 class FFNEngine:
     def __init__(self, vllm_config):
         from vllm.v1.engine.core import EngineCore
         from vllm.v1.executor import Executor
+
+        from vllm.afd.seams import is_ffn_engine
 
         if not is_ffn_engine(vllm_config):
             raise ValueError("FFNEngine needs a config with --afd-role ffn")

@@ -33,7 +33,6 @@ malicious header raises ProtocolError instead of sizing a buffer.
 import ctypes
 import logging
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Annotated, Literal, NamedTuple
 
@@ -437,25 +436,3 @@ def tensor_to_buffer(tensor: torch.Tensor) -> memoryview:
     raw = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
     raw._owner = tensor  # the memory belongs to the tensor: keep it alive
     return memoryview(raw).cast("B")
-
-
-def tensor_from_buffer(buffer, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    """A tensor over buffer's memory (no copy); its length must match exactly.
-    The tensor keeps buffer alive. Writing into a read-only buffer (bytes, a
-    received frame) is undefined: treat such tensors as read-only."""
-    view = memoryview(buffer).cast("B")
-    nbytes = payload_nbytes(dtype, shape)
-    if view.nbytes != nbytes:
-        raise ProtocolError(f"payload length: expected {nbytes} (shape {list(shape)} x "
-                            f"{dtype_name(dtype)}), received {view.nbytes}")
-    if nbytes == 0:
-        return torch.empty(tuple(shape), dtype=dtype)
-    if view.readonly:
-        # torch warns once per process that it cannot protect read-only memory;
-        # the contract above says so already.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(view, dtype=torch.uint8)
-    else:
-        flat = torch.frombuffer(view, dtype=torch.uint8)
-    return flat.view(dtype).view(tuple(shape))

@@ -62,7 +62,6 @@ import weakref
 import msgspec
 import torch
 
-from vllm.afd.transport import wire
 from vllm.afd.transport.buffers import HostSlots
 from vllm.afd.transport.connectors.base import AFDConnectionError, LinkClosed
 from vllm.afd.transport.connectors.tcp import TcpConnector
