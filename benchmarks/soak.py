@@ -9,14 +9,17 @@ One `vllm serve --afd-role ffn` and one `vllm serve --afd-role attention` on
 loopback (tiny Qwen3-MoE, eager mode). Each client thread loops over real
 OpenAI requests (completions and chat, some streaming, prompts of 1-16 words,
 max_tokens 1-32, temperature 0) and checks every answer is well-formed; every
-tenth request is the canary, a fixed greedy prompt that must always return the
-same text. A sampler records the resident memory of both server process trees.
+tenth request is the canary, a fixed greedy prompt that must always return
+plain vLLM's text (computed in-process, AFD off, before the load). A sampler records the resident memory of both server process trees.
 
 Verdict (exit status 1 when any fails):
   errors == 0        every request answered and well-formed, every canary the same
-  RSS flat           per server, end RSS - warm RSS < max(10 % of warm, 64 MiB):
-                     warm = median of the first 3 samples after the warm-up (the
-                     first 20 % of the run), end = median of the last 3 samples
+  RSS flat           per server, the slope of its RSS after the warm-up (the first
+                     20 % of the run), least squares over every sample, at most
+                     max(8, 40 / minutes) MiB per minute: a 1-minute run catches a
+                     leak of 40 MiB/min, a 10-minute run one of 8 MiB/min (the noise
+                     of allocator caches over 48 s windows reached 19 MiB/min on
+                     the attention server of a flat 10-minute run)
   FFN steps grew     /afd/status of the FFN server, start vs end
   servers stayed up  neither server process exited during the load
 
@@ -40,13 +43,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
-from servers import Server, free_port, process_tree_rss_kib  # noqa: E402
+from servers import Server, cpu, free_port, process_tree_rss_kib  # noqa: E402
 
 NAME = "soak"
 SERVER_ARGS = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
                "--max-num-seqs", "16"]
 WARMUP_FRACTION = 0.2
-RSS_GROWTH_FRACTION, RSS_GROWTH_MIB = 0.10, 64
+RSS_SLOPE_MIB_PER_MIN = (8.0, 40.0)  # limit: max(first, second / minutes of the run)
 ROLE_NAMES = {"ffn": "FFN server", "attention": "attention server"}
 CANARY_EVERY = 10
 CANARY = dict(prompt="The quick brown fox jumps over the lazy dog", max_tokens=16)
@@ -195,11 +198,11 @@ def start_servers(args: argparse.Namespace, logs: Path) -> tuple[Server, Server]
     """FFN and attention servers, each engine bound to its own core (as the tests do)."""
     afd = json.dumps({"connector": args.connector, "port": free_port(), "timeout_s": 60})
     ffn = Server(str(args.model), [*SERVER_ARGS, "--afd-role", "ffn", "--afd-config", afd],
-                 log_path=logs / "ffn.log", env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
+                 log_path=logs / "ffn.log", env={"VLLM_CPU_OMP_THREADS_BIND": cpu(1)},
                  name="FFN server")
     attn = Server(str(args.model), [*SERVER_ARGS, "--afd-role", "attention",
                                     "--afd-config", afd],
-                  log_path=logs / "attention.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
+                  log_path=logs / "attention.log", env={"VLLM_CPU_OMP_THREADS_BIND": cpu(0)},
                   name="attention server")
     return ffn, attn
 
@@ -269,15 +272,34 @@ def percentile(values: list[float], p: float) -> float | None:
     return s[min(len(s) - 1, max(0, round(p / 100 * len(s) + 0.5) - 1))]
 
 
-def rss_verdict(samples: list[dict], key: str, warm_t: float) -> dict:
-    """Growth of one server's RSS from the end of the warm-up to the end of the run."""
+def slope_mib_per_min(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, MiB) points, in MiB per minute."""
+    n = len(points)
+    if n < 2:
+        return 0.0
+    mean_t = sum(t for t, _ in points) / n
+    mean_m = sum(m for _, m in points) / n
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    cov = sum((t - mean_t) * (m - mean_m) for t, m in points)
+    return 60.0 * cov / var if var else 0.0
+
+
+def rss_limit(duration_s: float) -> float:
+    low, scaled = RSS_SLOPE_MIB_PER_MIN
+    return max(low, scaled / max(duration_s / 60.0, 1e-9))
+
+
+def rss_verdict(samples: list[dict], key: str, warm_t: float, duration_s: float) -> dict:
+    """The slope of one server's RSS after the warm-up, against the limit."""
     series = [(s["t"], s[key]["mib"]) for s in samples]
-    after = [mib for t, mib in series if t >= warm_t] or [series[-1][1]]
-    warm, end = statistics.median(after[:3]), statistics.median(after[-3:])
-    limit = max(RSS_GROWTH_FRACTION * warm, RSS_GROWTH_MIB)
+    after = [(t, mib) for t, mib in series if t >= warm_t] or series[-1:]
+    warm, end = statistics.median(m for _, m in after[:3]), statistics.median(
+        m for _, m in after[-3:])
+    slope, limit = slope_mib_per_min(after), rss_limit(duration_s)
     return {"first_mib": series[0][1], "warm_mib": warm, "end_mib": end,
             "max_mib": max(m for _, m in series), "growth_mib": round(end - warm, 1),
-            "limit_mib": round(limit, 1), "flat": end - warm < limit}
+            "slope_mib_per_min": round(slope, 2), "limit_mib_per_min": round(limit, 1),
+            "samples": len(after), "flat": slope <= limit}
 
 
 def summarize(args: argparse.Namespace, clients: list[Client], samples: list[dict],
@@ -290,7 +312,7 @@ def summarize(args: argparse.Namespace, clients: list[Client], samples: list[dic
     lat = [r["latency_ms"] for r in ok]
     tokens = sum(r["tokens"] for r in ok)
     warm_t = WARMUP_FRACTION * duration_s
-    rss = {key: rss_verdict(samples, key, warm_t) for key in ("ffn", "attention")}
+    rss = {key: rss_verdict(samples, key, warm_t, duration_s) for key in ("ffn", "attention")}
     link = [{"start": a["stats"], "end": b["stats"],
              "delta": {k: b["stats"][k] - a["stats"].get(k, 0) for k in b["stats"]}}
             for a, b in zip(run["link_start"], run["link_end"])]
@@ -318,8 +340,7 @@ def summarize(args: argparse.Namespace, clients: list[Client], samples: list[dic
                      "request_mix": dict(KINDS), "canary_every": CANARY_EVERY,
                      "canary": {**CANARY, "text": run["canary"]},
                      "rss_rule": {"warmup_fraction": WARMUP_FRACTION,
-                                  "growth_fraction": RSS_GROWTH_FRACTION,
-                                  "growth_mib": RSS_GROWTH_MIB}},
+                                  "slope_limit_mib_per_min": rss_limit(duration_s)}},
         "machine": {"cpu_count": os.cpu_count(),
                     "load_average_1m_at_start": run["load_at_start"]},
         "startup_s": run["startup_s"], "duration_s": round(duration_s, 1),
@@ -348,11 +369,12 @@ def print_table(res: dict) -> None:
     for e in res["error_texts"]:
         print(f"  error at {e['t']} s ({e['client']}, {e['kind']}): {e['error']}")
     print(f"\n{'RSS, MiB':<18}{'first':>8}{'warm':>8}{'end':>8}{'max':>8}{'growth':>8}"
-          f"{'limit':>8}  flat")
+          f"{'MiB/min':>9}{'limit':>7}  flat")
     for key, v in res["rss"].items():
         print(f"{ROLE_NAMES[key]:<18}{v['first_mib']:>8.0f}{v['warm_mib']:>8.0f}"
               f"{v['end_mib']:>8.0f}{v['max_mib']:>8.0f}{v['growth_mib']:>8.1f}"
-              f"{v['limit_mib']:>8.0f}  {'yes' if v['flat'] else 'NO'}")
+              f"{v['slope_mib_per_min']:>9.1f}{v['limit_mib_per_min']:>7.0f}  "
+              f"{'yes' if v['flat'] else 'NO'}")
     for rank, w in enumerate(res["ffn_link"]):
         d = w["delta"]
         print(f"\nFFN worker {rank} link: steps +{d['steps']}, layer_calls "
@@ -384,8 +406,8 @@ def plot(res: dict, path: Path) -> None:
     for key, v in res["rss"].items():
         ts = [s["t"] for s in res["rss_samples"]]
         top.plot(ts, [s[key]["mib"] for s in res["rss_samples"]],
-                 label=f"{ROLE_NAMES[key]} (growth {v['growth_mib']:+.0f} MiB, "
-                       f"limit {v['limit_mib']:.0f})")
+                 label=f"{ROLE_NAMES[key]} ({v['slope_mib_per_min']:+.1f} MiB/min, "
+                       f"limit {v['limit_mib_per_min']:.0f})")
     top.axvline(warm_t, color="gray", linestyle="--", label="end of warm-up")
     top.set_ylabel("RSS of the process tree, MiB")
     top.set_ylim(bottom=0)
@@ -413,6 +435,20 @@ def plot(res: dict, path: Path) -> None:
 
 
 # ====================================================================== main
+def plain_canary(model: str, logs: Path) -> str:
+    """The canary's greedy text from plain vLLM (tools/oracle.py, AFD off)."""
+    import subprocess
+
+    out = logs / "canary-plain.json"
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "oracle.py"), model,
+                           "--out", str(out), "--prompt", CANARY["prompt"], "--max-tokens",
+                           str(CANARY["max_tokens"])], capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0)))
+    if proc.returncode != 0:
+        raise RuntimeError(f"plain vLLM canary run failed: {proc.stderr[-2000:]}")
+    return json.loads(out.read_text())["results"][0]["text"]
+
+
 def run(args: argparse.Namespace) -> dict:
     logs = args.out / "logs"
     ffn, attn = start_servers(args, logs)
@@ -431,12 +467,17 @@ def run(args: argparse.Namespace) -> dict:
         info["startup_s"] = round(time.monotonic() - t_start, 1)
         print(f"[soak] both ready after {info['startup_s']:.0f} s", flush=True)
         model = str(args.model)
-        # The canary's reference answer, from a lone request before the load.
+        # The canary's reference answer is plain vLLM's (in-process, before the
+        # load); the deployment's first answer must already be it.
         import openai
 
+        info["canary"] = plain_canary(model, logs)
         api = openai.OpenAI(base_url=attn.url + "/v1", api_key="soak", max_retries=0)
-        info["canary"] = api.completions.create(model=model, temperature=0, extra_body={
+        first = api.completions.create(model=model, temperature=0, extra_body={
             "ignore_eos": True}, **CANARY).choices[0].text
+        if first != info["canary"]:
+            raise AssertionError(f"the canary differs from plain vLLM's answer: {first!r} != "
+                                 f"{info['canary']!r}")
         info["link_start"] = ffn_status(ffn)
         metrics_start = scrape_metrics(attn, logs / "attention-metrics-start.prom")
         t0 = time.monotonic()

@@ -12,6 +12,17 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 
+# The suite sets its own environment. What a user's shell may hold (the README's
+# `export VLLM_AFD_TOKEN=...`, another server's status directory, a forced model
+# runner or attention backend, a quieter log level) must not change what the
+# tests see; tests that need one set it themselves.
+CLEARED_ENV = ("VLLM_AFD_TOKEN", "VLLM_AFD_STATUS_DIR", "VLLM_USE_V2_MODEL_RUNNER",
+               "VLLM_ATTENTION_BACKEND", "VLLM_ENABLE_V1_MULTIPROCESSING",
+               "VLLM_CPU_OMP_THREADS_BIND", "VLLM_TARGET_DEVICE", "VLLM_LOGGING_LEVEL",
+               "VLLM_CONFIGURE_LOGGING", "VLLM_HOST_IP", "VLLM_PORT")
+for _name in CLEARED_ENV:
+    os.environ.pop(_name, None)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO / "build" / "vllm-cache"))

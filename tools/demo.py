@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from servers import Server, free_port, tree_rss_mib  # noqa: E402
+from servers import Server, cpu, free_port, tree_rss_mib  # noqa: E402
 
 COMMON = ["--max-model-len", "512", "--enforce-eager", "--dtype", "float32"]
 CHAT = [{"role": "user", "content": "Hello, who are you?"}]
@@ -67,10 +67,10 @@ def main() -> int:
           f"(--afd-config '{afd}')", flush=True)
     t0 = time.monotonic()
     ffn = Server(model, [*COMMON, "--afd-role", "ffn", "--afd-config", afd],
-                 log_path=logs / "ffn.log", env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
+                 log_path=logs / "ffn.log", env={"VLLM_CPU_OMP_THREADS_BIND": cpu(1)},
                  name="FFN server")
     attn = Server(model, [*COMMON, "--afd-role", "attention", "--afd-config", afd],
-                  log_path=logs / "attention.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
+                  log_path=logs / "attention.log", env={"VLLM_CPU_OMP_THREADS_BIND": cpu(0)},
                   name="attention server")
     with ffn, attn:
         ffn.wait_ready()

@@ -54,7 +54,8 @@ def engine_cli_args(model) -> list[str]:
 
 
 def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int,
-        num_prompts: int, dtype: str, attention_backend: str | None = None) -> dict:
+        num_prompts: int, dtype: str, attention_backend: str | None = None,
+        prompts: list[str] | None = None) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
@@ -75,7 +76,7 @@ def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1,
                             ignore_eos=True)
     t0 = time.monotonic()
-    outs = llm.generate(PROMPTS[:num_prompts], params, use_tqdm=False)
+    outs = llm.generate(prompts or PROMPTS[:num_prompts], params, use_tqdm=False)
     t_gen = time.monotonic() - t0
     results = []
     for o in outs:
@@ -117,6 +118,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--num-prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prompt", action="append", help="instead of the fixed prompts (repeat)")
     ap.add_argument("--attention-backend", default=None,
                     help="e.g. CPU_MLA: the MLA kernels every CPU runs (else AMX hosts "
                          "pick AMX_MLA, which refuses fp32 weights)")
@@ -129,7 +131,7 @@ def main() -> int:
 
         torch.cpu._is_amx_tile_supported = lambda: True
     result = run(args.model, args.afd_config, args.compile, args.max_tokens,
-                 args.num_prompts, args.dtype, args.attention_backend)
+                 args.num_prompts, args.dtype, args.attention_backend, args.prompt)
     with open(args.out, "w") as f:
         json.dump(result, f)
     return 0

@@ -15,6 +15,14 @@ import urllib.request
 from pathlib import Path
 
 
+def cpu(i: int) -> str:
+    """The i-th CPU this process may run on (wrapping around), for
+    VLLM_CPU_OMP_THREADS_BIND: never a fixed core number, which may not be in
+    the CPU set a container or CI runner gives."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    return str(allowed[i % len(allowed)])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

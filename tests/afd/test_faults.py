@@ -2,12 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """Lost peers, refused peers and shutdowns, with real `vllm serve` processes.
 
-The tests of this module run in order on one story, so that each server start
-(~20 s on 2 cores) serves several checks:
+A server start costs ~20 s on 2 cores, so the module's servers are shared: each
+test asks the Story for what it needs (a fresh attention server, a connected
+pair) and the Story starts only what is not running already. Every test runs
+alone (`-k`) or in any order; run in file order they reuse each other's
+servers:
 
   1. the attention server starts without an FFN: it serves HTTP, /health is 503
      with the reason, requests get a clear 503 at once; the FFN starts late and
-     the attention server connects by itself and answers (the reference);
+     the attention server connects by itself and answers plain vLLM's tokens;
   2. the FFN is SIGKILLed mid-stream: the stream fails with the reason within
      timeout_s, the attention server stays up (503 meanwhile), a new FFN
      process comes up and the same server answers the reference tokens again;
@@ -19,8 +22,8 @@ The tests of this module run in order on one story, so that each server start
   5. SIGTERM in both orders (attention, then a new attention server's FFN):
      exit 0, no process left, no shared memory left, the survivor serves on.
 
-The reference answer is the AFD answer of step 1; test_serve.py shows that it
-equals plain vLLM's.
+The reference answer is plain vLLM's (the oracle's in-process run of the same
+prompts, tools/oracle.py).
 """
 
 import json
@@ -34,48 +37,81 @@ import openai
 import pytest
 
 from oracle import engine_cli_args
-from servers import Server, free_port
+from servers import Server, cpu, free_port
 
 pytestmark = pytest.mark.slow
 COMMON = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
           "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
           "--no-enable-prefix-caching"]
-PROMPTS = ["The capital of France is", "Disaggregated serving means"]
+NUM_PROMPTS, MAX_TOKENS = 2, 16  # the oracle's first prompts and its token count
 TIMEOUT_S = 10  # AFDConfig.timeout_s of every server here: the bound on a lost peer
 
 
 class Story:
-    """The servers of this module: one FFN port, servers started and stopped
-    by the tests in turn."""
+    """The servers of this module: one FFN port; the current FFN and attention
+    servers, started when a test needs them and not running."""
 
-    def __init__(self, model: Path, logs: Path):
+    def __init__(self, model: Path, logs: Path, reference: dict):
         self.model = model
         self.logs = logs
         self.port = free_port()
         self.servers: list[Server] = []
-        self.reference = None
+        self.reference = [(r["token_ids"], r["logprobs"]) for r in reference["results"]]
+        self.prompts = [r["prompt"] for r in reference["results"]]
+        self.ffn_server: Server | None = None
+        self.attn: Server | None = None
+        self.count = 0
 
     def afd(self, **extra) -> str:
         return json.dumps({"connector": "shm", "port": self.port, "timeout_s": TIMEOUT_S,
                            **extra})
 
-    def ffn(self, name: str) -> Server:
+    def name(self, role: str) -> str:
+        self.count += 1
+        return f"{role}-{self.count}"
+
+    def ffn(self, name: str | None = None) -> Server:
         return self._start(Server(str(self.model), [
             *COMMON, "--afd-role", "ffn", "--afd-config", self.afd()],
-            log_path=self.logs / f"{name}.log", env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
-            name=name))
+            log_path=self.logs / f"{name or self.name('ffn')}.log",
+            env={"VLLM_CPU_OMP_THREADS_BIND": cpu(1)}, name=name or "FFN server"))
 
-    def attention(self, name: str, model: Path | None = None, **extra) -> Server:
+    def attention(self, name: str | None = None, model: Path | None = None,
+                  **extra) -> Server:
         model = model or self.model
+        name = name or self.name("attention")
         return self._start(Server(str(model), [
             *COMMON, *engine_cli_args(model), "--afd-role", "attention",
             "--afd-config", self.afd(**extra)],
-            log_path=self.logs / f"{name}.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
+            log_path=self.logs / f"{name}.log", env={"VLLM_CPU_OMP_THREADS_BIND": cpu(0)},
             name=name))
 
     def _start(self, server: Server) -> Server:
         self.servers.append(server.start())
         return server
+
+    @staticmethod
+    def running(server: Server | None) -> bool:
+        return server is not None and server.proc.poll() is None
+
+    def running_ffn(self) -> Server:
+        if not self.running(self.ffn_server):
+            self.ffn_server = self.ffn()
+        self.ffn_server.wait_ready()
+        return self.ffn_server
+
+    def pair(self) -> tuple[Server, Server]:
+        """A connected attention server and its FFN (/health 200 on both)."""
+        ffn = self.running_ffn()
+        if not self.running(self.attn):
+            self.attn = self.attention()
+        self.attn.wait_ready()
+        wait_health(self.attn, 200, timeout=30)
+        return self.attn, ffn
+
+    def stop(self, server: Server | None) -> None:
+        if self.running(server):
+            server.stop()
 
     def client(self, server: Server) -> openai.OpenAI:
         return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
@@ -83,13 +119,15 @@ class Story:
 
     def complete(self, server: Server):
         comp = self.client(server).completions.create(
-            model=str(self.model), prompt=PROMPTS, max_tokens=12, temperature=0, logprobs=1,
-            extra_body={"ignore_eos": True, "return_token_ids": True})
+            model=str(self.model), prompt=self.prompts, max_tokens=MAX_TOKENS, temperature=0,
+            logprobs=1, extra_body={"ignore_eos": True, "return_token_ids": True})
         return [(c.token_ids, c.logprobs.token_logprobs)
                 for c in sorted(comp.choices, key=lambda c: c.index)]
 
     def assert_reference(self, server: Server) -> None:
-        for (ids, lps), (ref_ids, ref_lps) in zip(self.complete(server), self.reference):
+        """The server answers exactly what plain vLLM answers."""
+        for (ids, lps), (ref_ids, ref_lps) in zip(self.complete(server), self.reference,
+                                                   strict=True):
             assert ids == ref_ids
             assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-5
 
@@ -100,7 +138,11 @@ class Story:
 
 @pytest.fixture(scope="module")
 def story(models_dir, tmp_path_factory):
-    s = Story(models_dir / "tiny-qwen3-moe", tmp_path_factory.mktemp("faults"))
+    from test_oracle import plain_result
+
+    logs = tmp_path_factory.mktemp("faults")
+    model = models_dir / "tiny-qwen3-moe"
+    s = Story(model, logs, plain_result(model, logs, num_prompts=NUM_PROMPTS))
     yield s
     s.stop_all()
 
@@ -133,7 +175,7 @@ def stream_then(story: Story, server: Server, action) -> tuple[BaseException, fl
     """Start a long greedy stream, run action() after a few chunks, return the
     error the stream ended with and the seconds from action() to it."""
     stream = story.client(server).completions.create(
-        model=str(story.model), prompt=PROMPTS[0], max_tokens=450, temperature=0,
+        model=str(story.model), prompt=story.prompts[0], max_tokens=450, temperature=0,
         stream=True, extra_body={"ignore_eos": True})
     acted_at = None
     try:
@@ -141,14 +183,17 @@ def stream_then(story: Story, server: Server, action) -> tuple[BaseException, fl
             if i == 5:
                 action()
                 acted_at = time.monotonic()
-    except openai.APIError as e:
-        assert acted_at is not None, f"stream failed before the fault: {e}"
+    except Exception as e:  # noqa: BLE001 - what the client raised is the subject
+        assert acted_at is not None, f"stream failed before the fault: {e!r}"
         return e, time.monotonic() - acted_at
     pytest.fail("the stream completed although its peer was killed")
 
 
 def test_ffn_late(story):
-    attn = story.attention("attention-a")
+    # A fresh attention server, and no FFN at all.
+    story.stop(story.ffn_server)
+    story.stop(story.attn)
+    attn = story.attn = story.attention()
     attn.wait_http()
     # No FFN yet: not ready, with the reason; requests are refused at once.
     _, body = wait_health(attn, 503, timeout=5)
@@ -157,30 +202,29 @@ def test_ffn_late(story):
     status = json.loads(attn.get("/afd/status")[1])
     assert status["ready"] is False and status["links"][0]["state"] == "connecting"
 
-    ffn = story.ffn("ffn-1")
-    ffn.wait_ready()
+    story.running_ffn()
     wait_health(attn, 200, timeout=30)  # connected by itself, no restart
-    story.reference = story.complete(attn)
-    story.attn, story.ffn_server = attn, ffn
+    story.assert_reference(attn)
 
 
 def test_ffn_killed_mid_stream_and_restarted(story):
-    attn, ffn = story.attn, story.ffn_server
+    attn, ffn = story.pair()
+    before = json.loads(attn.get("/afd/status")[1])["links"][0]
     error, seconds = stream_then(story, attn, ffn.kill)
     assert seconds < TIMEOUT_S
+    # The stream's last event names the lost link (a 503 in the OpenAI format).
+    assert isinstance(error, openai.APIError), repr(error)
     assert "AFD" in str(error) and "FFN" in str(error), str(error)
     assert attn.proc.poll() is None, "the attention server died with its FFN"
     seconds, body = wait_health(attn, 503, timeout=5)
     assert "FFN rank 0" in body and ("down" in body or "connecting" in body), body
     assert_unavailable(story, attn, "FFN rank 0")
 
-    ffn2 = story.ffn("ffn-2")
-    ffn2.wait_ready()
+    story.running_ffn()  # a new FFN process on the same port
     wait_health(attn, 200, timeout=30)
     story.assert_reference(attn)
-    status = json.loads(attn.get("/afd/status")[1])
-    link = status["links"][0]
-    assert link["state"] == "ready" and link["reconnects"] == 1, link
+    link = json.loads(attn.get("/afd/status")[1])["links"][0]
+    assert link["state"] == "ready" and link["reconnects"] == before["reconnects"] + 1, link
     assert link["errors"].get("connection", 0) >= 1, link
     # The link's metrics, next to vLLM's own.
     _, metrics = attn.get("/metrics")
@@ -190,39 +234,45 @@ def test_ffn_killed_mid_stream_and_restarted(story):
         assert line.split("{")[0] in metrics, line
     assert 'vllm_afd_peer_up{peer="FFN rank 0' in metrics.replace(
         'role="attention",', "").replace('rank="0",', ""), metrics[:2000]
-    story.ffn_server = ffn2
 
 
 def test_mismatched_attention_is_refused(story, models_dir):
+    attn, ffn = story.pair()
     # Another model (other architecture and weights) with another micro-batch count.
-    bad = story.attention("attention-bad", model=models_dir / "tiny-deepseek-v2",
-                          num_ubatches=2)
+    bad = story.attention(model=models_dir / "tiny-deepseek-v2", num_ubatches=2)
     bad.wait_http()
-    seconds, body = wait_health(bad, 503, timeout=10)
+    # Both sides know within 10 s of the bad server being up (its link dials
+    # while the model loads, so it may have been refused already).
     t0 = time.monotonic()
-    while ": refused" not in body:
-        assert time.monotonic() - t0 < 10, body
-        time.sleep(0.2)
+    attention_side = ffn_side = None
+    while attention_side is None or ffn_side is None:
+        assert time.monotonic() - t0 < 10, (attention_side, ffn_side)
         body = bad.get("/health")[1]
-    assert time.monotonic() - t0 < 10
+        if attention_side is None and ": refused" in body:
+            attention_side = body
+        workers = json.loads(ffn.get("/afd/status")[1])["workers"]
+        if ffn_side is None and "fingerprint['architecture']" in (
+                workers[0]["last_refusal"] or ""):
+            ffn_side = workers[0]["last_refusal"]
+        time.sleep(0.2)
     for item in ("num_ubatches", "fingerprint['architecture']", "fingerprint['weights']"):
-        assert item in body, body
-    # The FFN says so too, naming the items, and keeps serving the good peer.
-    ffn_log = story.ffn_server.log_path.read_text()
+        assert item in attention_side and item in ffn_side, (attention_side, ffn_side)
+    ffn_log = ffn.log_path.read_text()
     assert "refused attention rank 0" in ffn_log and "num_ubatches" in ffn_log
-    assert "fingerprint['architecture']" in ffn_log
-    workers = json.loads(story.ffn_server.get("/afd/status")[1])["workers"]
-    assert "fingerprint['architecture']" in workers[0]["last_refusal"], workers
-    _, metrics = story.ffn_server.get("/metrics")
+    _, metrics = ffn.get("/metrics")
     assert "vllm_afd_handshake_failures_total" in metrics
-    story.assert_reference(story.attn)
+    # The good pair serves on.
+    story.assert_reference(attn)
     bad.stop()
 
 
 def test_attention_killed_ffn_serves_the_next(story):
-    ffn = story.ffn_server
-    error, _ = stream_then(story, story.attn, story.attn.kill)
-    assert isinstance(error, (openai.APIConnectionError, openai.APIError))
+    attn, ffn = story.pair()
+    error, _ = stream_then(story, attn, attn.kill)
+    # The server is gone: the client sees the connection drop, not an HTTP error.
+    assert isinstance(error, openai.APIConnectionError) or not isinstance(
+        error, openai.APIStatusError), repr(error)
+    assert attn.proc.wait(timeout=10) == -signal.SIGKILL
     t0 = time.monotonic()
     while True:  # the FFN noticed and waits for the next peer
         workers = json.loads(ffn.get("/afd/status")[1])["workers"]
@@ -232,10 +282,8 @@ def test_attention_killed_ffn_serves_the_next(story):
         time.sleep(0.2)
     assert "attention rank 0" in ffn.log_path.read_text()
     assert ffn.get("/health")[0] == 200
-    attn2 = story.attention("attention-b")
-    attn2.wait_ready()
+    attn2, _ = story.pair()  # the next attention server
     story.assert_reference(attn2)
-    story.attn = attn2
 
 
 def shm_segments(port: int) -> list[str]:
@@ -268,22 +316,21 @@ def stop_and_check(server: Server) -> None:
 def test_sigterm_attention_first(story):
     """The attention server goes first: the FFN notices at once, goes back to
     waiting and serves the next attention server."""
-    ffn = story.ffn_server
-    stop_and_check(story.attn)
+    attn, ffn = story.pair()
+    stop_and_check(attn)
     t0 = time.monotonic()
     while json.loads(ffn.get("/afd/status")[1])["workers"][0]["serving"]:
         assert time.monotonic() - t0 < 5
         time.sleep(0.2)
-    attn = story.attention("attention-c")
-    attn.wait_ready()
-    story.assert_reference(attn)
-    story.attn = attn
+    attn2, _ = story.pair()
+    story.assert_reference(attn2)
 
 
 def test_sigterm_ffn_first(story):
     """The FFN goes first: the attention server notices within a second or
     two, stays up (503), then exits cleanly on its own SIGTERM."""
-    stop_and_check(story.ffn_server)
-    wait_health(story.attn, 503, timeout=5)
-    stop_and_check(story.attn)
+    attn, ffn = story.pair()
+    stop_and_check(ffn)
+    wait_health(attn, 503, timeout=5)
+    stop_and_check(attn)
     assert shm_segments(story.port) == []

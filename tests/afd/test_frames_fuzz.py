@@ -9,6 +9,7 @@ the checks or raises ProtocolError, nothing else."""
 import logging
 import random
 import socket
+import time
 
 import msgspec
 import pytest
@@ -324,3 +325,221 @@ def test_bad_frame_tensors_are_never_allocated_from_the_header(monkeypatch):
             monkeypatch.undo()
             ffn.close()
     assert sizes == []
+
+
+# ------------------------------------------- mutations into connected connectors
+FUZZ_TIMEOUT_S = 0.3  # timeout_s of the fuzzed connectors: stalls end after this
+FUZZ_BOUND_S = 3.0  # each fuzzed message's whole outcome, with room for a busy CI host
+
+
+def dial_kind(kind: str, port: int) -> socket.socket:
+    """A raw client socket to the FFN connector of kind listening on port."""
+    if kind == "tcp":
+        return dial(port)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    for _ in range(200):
+        try:
+            sock.connect(f"\0vllm-afd-{port}")
+            return sock
+        except OSError:
+                    time.sleep(0.02)
+    raise AssertionError("the FFN connector never listened")
+
+
+def reframe(header: bytes, payload: bytes = b"", announced: int | None = None) -> bytes:
+    return raw_header(header, len(payload) if announced is None else announced) + payload
+
+
+def mutations(message: wire.Message, rng: random.Random, count: int,
+              payload: bytes = b"") -> list[bytes]:
+    """count mutated copies of a framed message: byte-level mutations of the
+    whole frame (its prefix too) and field-level ones re-framed."""
+    encoded = wire.encode(message)
+    out = []
+    for i in range(count):
+        if i % 2:
+            out.append(reframe(_mutate_field(encoded, rng), payload))
+        else:
+            out.append(_mutate(reframe(encoded, payload), rng))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_mutated_handshakes_into_a_listening_ffn(kind, monkeypatch):
+    """Mutated Hellos (and proofs after a real challenge) from a peer that
+    then stays connected, silent: the FFN connector drops each within its
+    stall/Hello timeout, counts it, never raises anything else, and still
+    accepts a well-behaved peer afterwards."""
+    monkeypatch.setattr(tcp, "HELLO_TIMEOUT_S", FUZZ_TIMEOUT_S)
+    rng = random.Random(5 if kind == "tcp" else 11)
+    port = free_port()
+    ffn = make(kind, "ffn", port, timeout_s=30)
+    template = make(kind, "attention", port)._hello()
+    cases = mutations(template, rng, 40)
+    waiter = Background(ffn.connect)
+    dropped = accepted = 0
+    try:
+        for data in cases:
+            before = ffn.handshake_failures
+            with dial_kind(kind, port) as sock:
+                t0 = time.monotonic()
+                sock.sendall(data)  # and the socket stays open
+                while ffn.handshake_failures == before and not ffn._connected:
+                    assert time.monotonic() - t0 < FUZZ_BOUND_S, (data[:80], "hangs")
+                    time.sleep(0.005)
+                if ffn._connected:  # a harmless mutation: a peer that got in
+                    accepted += 1
+                    break
+                dropped += 1
+        assert waiter.is_alive() or ffn._connected
+    finally:
+        ffn.close()
+    assert dropped >= 20, (dropped, accepted)
+    # The same port serves a good peer afterwards.
+    ffn = make(kind, "ffn", port)
+    good = make(kind, "attention", port)
+    waiter = Background(ffn.connect)
+    time.sleep(0.2)
+    if not waiter.is_alive():
+        waiter.join_result()  # its error
+    try:
+        serve_one_layer(waiter, ffn, good)
+    finally:
+        good.close()
+        ffn.close()
+
+
+def _connected_ffn(kind: str, port: int):
+    """An FFN connector with a raw peer that did the handshake: (ffn, sock)."""
+    ffn = make(kind, "ffn", port, timeout_s=FUZZ_TIMEOUT_S * 4)
+    waiter = Background(ffn.connect)
+    sock = dial_kind(kind, port)
+    sock.sendall(raw_frame(make(kind, "attention", port)._hello()))
+    assert read_message(sock).accepted
+    sock.sendall(raw_frame(wire.HelloConfirm(accepted=True)))
+    waiter.join_result()
+    return ffn, sock
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_mutated_frames_into_a_connected_ffn(kind):
+    """A connected FFN connector receives a valid step, then a mutated
+    LayerFrame (or StepHeader) from a peer that stays connected and silent:
+    recv_step / recv_hidden end with ProtocolError, a peer error or a timeout,
+    within the bound, never anything else; a mutation that still passes every
+    check yields a tensor of the expected shape."""
+    rng = random.Random(17 if kind == "tcp" else 23)
+    payload = bytes(NBYTES) if kind == "tcp" else b""
+    frame = LayerFrame(step_id=1, layer_id=0, ubatch_id=0, dtype="float32",
+                       shape=[TOKENS, HIDDEN], nbytes=NBYTES)
+    cases = ([("layer", d) for d in mutations(frame, rng, 30, payload)]
+             + [("step", d) for d in mutations(StepHeader(step_id=1, num_tokens=[TOKENS]),
+                                               rng, 14)])
+    outcomes: dict[str, int] = {}
+    for what, data in cases:
+        port = free_port()
+        ffn, sock = _connected_ffn(kind, port)
+        try:
+            if what == "layer":
+                sock.sendall(step(step_id=1))
+                assert ffn.recv_step(0).num_tokens == [TOKENS]
+            sock.sendall(data)  # the socket stays open
+            t0 = time.monotonic()
+            try:
+                if what == "layer":
+                    h = ffn.recv_hidden(0, 0, 0)
+                    assert list(h.shape) == [TOKENS, HIDDEN]
+                else:
+                    ffn.recv_step(0, timeout_s=FUZZ_TIMEOUT_S * 4)
+                outcome = "passed"
+            except ProtocolError:
+                outcome = "refused"
+            except AFDConnectionError as e:  # timeout (a stall), or the peer's own error
+                outcome = "timeout" if "timed out" in str(e) else "connection"
+            assert time.monotonic() - t0 < FUZZ_BOUND_S, (data[:80], outcome)
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        finally:
+            sock.close()
+            ffn.close()
+    # Both the checks and the stall timeout were exercised.
+    assert outcomes.get("refused", 0) >= 10 and outcomes.get("timeout", 0) >= 3, outcomes
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_mutated_replies_into_a_connected_attention_side(kind):
+    """The other direction: a fake FFN answers a real attention connector's
+    Hello with a mutated HelloAck, or its hidden states with a mutated output
+    frame, and stays connected: connect() / recv_output() end with
+    ProtocolError or a connection error (a timeout for stalls) within the bound."""
+    from vllm.afd.transport.connectors.shm import ShmHandshake
+
+    rng = random.Random(31 if kind == "tcp" else 37)
+    outcomes: dict[str, int] = {}
+    for i in range(24):
+        port = free_port()
+        fake = make(kind, "ffn", port)  # only its listener and its segments are used
+        fake._listen()
+        attn = make(kind, "attention", port, timeout_s=FUZZ_TIMEOUT_S * 4)
+        try:
+            handshake = i % 2 == 0
+            if handshake:
+                ack = wire.HelloAck(accepted=True, rank=0, group=[0])
+                if kind == "shm":
+                    ack = wire.HelloAck(accepted=True, rank=0, group=[0], transport=(
+                        msgspec.msgpack.encode(ShmHandshake(
+                            segments=[f"vllm-afd-{port}-0-a2f-0000", f"vllm-afd-{port}-0-f2a-0000"],
+                            slot_bytes=attn.max_bytes))))
+                replies = mutations(ack, rng, 1)
+            connecting = Background(attn.connect)
+            sock, _ = fake._listener.accept()
+            with sock:
+                sock.settimeout(10)
+                assert isinstance(read_message(sock), wire.Hello)
+                t0 = time.monotonic()
+                if handshake:
+                    sock.sendall(replies[0])
+                    error = None
+                    try:
+                        connecting.join_result()
+                        outcome = "passed"
+                    except ProtocolError as e:
+                        outcome, error = "refused", e
+                    except AFDConnectionError as e:
+                        outcome, error = ("timeout" if "timed out" in str(e) else
+                                          "connection"), e
+                    assert time.monotonic() - t0 < FUZZ_BOUND_S, (replies[0][:80], error)
+                else:
+                    if kind == "shm":
+                        fake._ack_transport(0, b"")  # real segments for the real side
+                        data = fake._segments[0]
+                        ack = wire.HelloAck(accepted=True, rank=0, group=[0], transport=(
+                            msgspec.msgpack.encode(ShmHandshake(
+                                segments=[data[1].name, data[0].name],
+                                slot_bytes=fake.slot_bytes))))
+                    else:
+                        ack = wire.HelloAck(accepted=True, rank=0, group=[0])
+                    sock.sendall(raw_frame(ack))
+                    assert read_message(sock).accepted  # the HelloConfirm
+                    connecting.join_result()
+                    attn.send_step(StepHeader(step_id=1, num_tokens=[TOKENS]))
+                    attn.send_hidden(0, 0, torch.ones(TOKENS, HIDDEN))
+                    payload = bytes(NBYTES) if kind == "tcp" else b""
+                    output = LayerFrame(step_id=1, layer_id=0, ubatch_id=0, dtype="float32",
+                                        shape=[TOKENS, HIDDEN], nbytes=NBYTES)
+                    sock.sendall(mutations(output, rng, 1, payload)[0])
+                    t0 = time.monotonic()
+                    try:
+                        attn.recv_output(0, 0, out=torch.empty(TOKENS, HIDDEN))
+                        outcome = "passed"
+                    except ProtocolError:
+                        outcome = "refused"
+                    except AFDConnectionError as e:
+                        outcome = "timeout" if "timed out" in str(e) else "connection"
+                    assert time.monotonic() - t0 < FUZZ_BOUND_S, outcome
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        finally:
+            attn.close()
+            fake.close()
+    # The checks and the stall timeout were both exercised.
+    assert outcomes.get("refused", 0) >= 4 and outcomes.get("timeout", 0) >= 3, outcomes

@@ -4,10 +4,13 @@
 challenge-response, and where an FFN server may listen. Real sockets; rogue
 peers are raw sockets speaking the wire format by hand."""
 
+import json
 import logging
 import secrets
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -94,7 +97,17 @@ def deepseek(models_dir):
 
 def test_fingerprint_items(deepseek, models_dir):
     fp = fingerprint.model_fingerprint(model_config_of(deepseek))
-    assert fp == fingerprint.model_fingerprint(model_config_of(deepseek))  # deterministic
+    # Deterministic: computed again from the files (not the cache), and in
+    # another process, it is the same.
+    fingerprint._digest_files.cache_clear()
+    assert fp == fingerprint.model_fingerprint(model_config_of(deepseek))
+    assert fingerprint._digest_files.cache_info().misses == 1
+    other = subprocess.run(
+        [sys.executable, "-c", "import json, sys; from vllm.afd.model import fingerprint; "
+         "print(json.dumps(fingerprint.weights_digest(sys.argv[1])))", str(deepseek)],
+        capture_output=True, text=True, timeout=120)
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert json.loads(other.stdout.strip().splitlines()[-1]) == fp["weights"]
     expected = {"architecture": "DeepseekV3ForCausalLM", "hidden_size": "128",
                 "num_hidden_layers": "3", "dtype": "bfloat16", "n_routed_experts": "4",
                 "num_experts_per_tok": "2", "n_shared_experts": "1",

@@ -23,7 +23,7 @@ import pytest
 from safetensors import safe_open
 
 from oracle import engine_cli_args
-from servers import Server, free_port
+from servers import Server, cpu, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ORACLE = REPO / "tools" / "oracle.py"
@@ -41,7 +41,7 @@ def run_oracle(model: Path, out: Path, afd_config: dict | None = None,
         cmd += ["--afd-config", json.dumps(afd_config)]
     if compile_model:
         cmd.append("--compile")
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0")
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env,
                           cwd=out.parent)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -61,12 +61,12 @@ def plain_result(model: Path, tmp_path: Path, compile_model: bool = False,
 
 
 def ffn_server(model: Path, afd_config: dict, log: Path, *, extra: list[str] = (),
-               cpus: str = "1") -> Server:
+               cpus: str | None = None) -> Server:
     args = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
             "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
             "--afd-role", "ffn", "--afd-config", json.dumps(afd_config),
             *engine_cli_args(model), *extra]
-    return Server(str(model), args, log_path=log, env={"VLLM_CPU_OMP_THREADS_BIND": cpus},
+    return Server(str(model), args, log_path=log, env={"VLLM_CPU_OMP_THREADS_BIND": cpus or cpu(1)},
                   name=f"FFN server {afd_config.get('ffn_rank', 0)}")
 
 
@@ -180,7 +180,7 @@ def test_deepseek_runs_the_same_mla_kernels_on_an_amx_host(models_dir, tmp_path,
     unpinned = subprocess.run(
         [sys.executable, str(ORACLE), str(model), "--out", str(tmp_path / "x.json"),
          "--num-prompts", "1", "--fake-amx"], capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0"), cwd=tmp_path)
+        env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0)), cwd=tmp_path)
     assert unpinned.returncode != 0
     assert "Using AMX_MLA backend" in unpinned.stdout + unpinned.stderr
     assert "expect weight to be bfloat16" in unpinned.stdout + unpinned.stderr

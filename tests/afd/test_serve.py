@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from servers import Server, free_port, http_get
+from servers import Server, cpu, free_port, http_get
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
@@ -40,10 +40,10 @@ def test_two_role_serve_matches_plain(models_dir, tmp_path, model_name):
     afd = json.dumps({"connector": "shm", "port": free_port(), "timeout_s": 60})
     common = [*COMMON, *engine_cli_args(model)]  # DeepSeek: the MLA kernels every CPU runs
     ffn = Server(str(model), [*common, "--afd-role", "ffn", "--afd-config", afd],
-                 log_path=tmp_path / "ffn.log", env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
+                 log_path=tmp_path / "ffn.log", env={"VLLM_CPU_OMP_THREADS_BIND": cpu(1)},
                  name="FFN server")
     attn = Server(str(model), [*common, "--afd-role", "attention", "--afd-config", afd],
-                  log_path=tmp_path / "attn.log", env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
+                  log_path=tmp_path / "attn.log", env={"VLLM_CPU_OMP_THREADS_BIND": cpu(0)},
                   name="attention server")
     # The attention server starts first: it waits for the FFN server to appear.
     with attn, ffn:

@@ -3,8 +3,9 @@
 """The soak benchmark's CI version: benchmarks/soak.py for one minute, 3 clients.
 
 A two-role deployment (FFN server, attention server, shm connector) under
-steady load must answer every request well-formed, keep the canary's greedy
-text, keep both servers' resident memory flat and move the FFN's link
+steady load must answer every request well-formed, keep answering the canary
+with plain vLLM's greedy text, keep both servers' resident memory flat (its
+slope after the warm-up within the stated MiB/min) and move the FFN's link
 counters; the script's exit status and its JSON say so.
 """
 
@@ -48,7 +49,30 @@ def test_soak_one_minute(models_dir, tmp_path):
     assert res["requests"] >= MIN_REQUESTS, output[-2000:]
     for role, verdict in res["rss"].items():
         assert verdict["flat"], (role, verdict)
+        assert verdict["limit_mib_per_min"] <= 40 and verdict["samples"] >= 30, verdict
     assert res["ffn_link"] and all(w["delta"]["steps"] > 0 for w in res["ffn_link"])
     assert res["ffn_link"][0]["delta"]["layer_calls"] > 0
     assert res["server_exit_codes"] == {"ffn": 0, "attention": 0}, output[-2000:]
     assert rc == 0 and res["passed"], output[-2000:]
+
+
+def test_the_rss_rule_sees_a_leak():
+    """One minute of samples at 1 s with allocator noise (+-6 MiB): flat
+    servers pass, a 45 MiB/min leak (well under the old 10 %-of-RSS band,
+    which let a 160 MiB/min leak through on the FFN) fails."""
+    import random
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import soak
+
+    rng = random.Random(0)
+
+    def samples(leak_per_min: float) -> list[dict]:
+        return [{"t": float(t), "ffn": {"mib": 1600 + leak_per_min * t / 60 + rng.uniform(-6, 6)},
+                 "attention": {"mib": 2900 + rng.uniform(-6, 6)}} for t in range(60)]
+
+    flat = soak.rss_verdict(samples(0), "ffn", warm_t=12, duration_s=60)
+    leaking = soak.rss_verdict(samples(45), "ffn", warm_t=12, duration_s=60)
+    assert flat["flat"] and abs(flat["slope_mib_per_min"]) < 10, flat
+    assert not leaking["flat"] and 35 < leaking["slope_mib_per_min"] < 55, leaking
+    assert soak.rss_limit(600) == 8 and soak.rss_limit(60) == 40

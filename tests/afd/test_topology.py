@@ -26,7 +26,7 @@ import openai
 import pytest
 import torch
 
-from servers import Server, free_port
+from servers import Server, cpu, free_port
 from oracle import PROMPTS
 from test_oracle import ORACLE, assert_same, ffn_server, plain_result
 
@@ -45,7 +45,7 @@ def start_attention_servers(model: Path, tmp_path: Path, configs: list[dict]) ->
         out = tmp_path / f"attention-{i}.json"
         cmd = [sys.executable, str(ORACLE), str(model), "--out", str(out),
                "--afd-config", json.dumps({**cfg, "role": "attention"})]
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0")
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0))
         log = open(tmp_path / f"attention-{i}.log", "w")
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                        cwd=tmp_path), out, log))
@@ -110,9 +110,9 @@ def test_three_attention_two_ffn_uneven_with_data_parallel(models_dir, tmp_path)
         "--no-enable-prefix-caching", "--data-parallel-size", "2",
         "--afd-role", "attention", "--afd-config", json.dumps(base)],
         log_path=tmp_path / "attention-dp.log",
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|0"}, name="attention server (DP=2)")
-    with ffn_server(model, {**base, "ffn_rank": 0}, tmp_path / "ffn0.log", cpus="1") as ffn0, \
-         ffn_server(model, {**base, "ffn_rank": 1}, tmp_path / "ffn1.log", cpus="0") as ffn1, \
+        env={"VLLM_CPU_OMP_THREADS_BIND": f"{cpu(0)}|{cpu(0)}"}, name="attention server (DP=2)")
+    with ffn_server(model, {**base, "ffn_rank": 0}, tmp_path / "ffn0.log", cpus=cpu(1)) as ffn0, \
+         ffn_server(model, {**base, "ffn_rank": 1}, tmp_path / "ffn1.log", cpus=cpu(0)) as ffn1, \
          dp_server:
         ffn0.wait_ready()
         ffn1.wait_ready()
@@ -147,7 +147,7 @@ def test_one_attention_two_ffn_ranks(models_dir, tmp_path, parallel):
     if parallel == "ep":
         extra.append("--enable-expert-parallel")
     with ffn_server(models_dir / MODEL, base, tmp_path / "ffn.log", extra=extra,
-                   cpus="0|1") as ffn:
+                   cpus=f"{cpu(0)}|{cpu(1)}") as ffn:
         ffn.wait_ready()
         results = run_attention_servers(models_dir / MODEL, tmp_path, [base])
         workers = json.loads(ffn.get("/afd/status")[1])["workers"]

@@ -46,6 +46,7 @@ The socket link (SocketLink) is also the header channel of the shm and nccl
 connectors, which move payloads elsewhere and announce payload length 0.
 """
 
+import errno
 import logging
 import select
 import socket
@@ -72,6 +73,7 @@ MAX_HEADER_BYTES = 64 * 1024  # a Hello with a large fingerprint fits easily
 HELLO_TIMEOUT_S = 10.0
 RETRY_INTERVAL_S = (0.05, 0.5)  # connect retries back off between these
 GATE_POLL_S = 0.1
+LISTEN_RETRY_S = 1.0
 _HANGUP = getattr(select, "POLLRDHUP", 0x2000) | select.POLLHUP | select.POLLERR
 
 
@@ -264,12 +266,21 @@ class TcpConnector(AFDConnector):
             auth.check_listen_address(self.host, has_secret=self.has_secret,
                                       allow_insecure=self.afd_config.allow_insecure,
                                       what=f"{self.me} at {self.address}")
-        try:
-            self._listener = self._make_listener()
-        except OSError as e:
-            raise AFDConnectionError(
-                f"{self.me} cannot listen on {self.address}: {e.strerror or e}; is another "
-                f"FFN server using this port?") from None
+        # The previous connector of this FFN rank may still hold the address for
+        # up to GATE_POLL_S after its close() (a listener stays bound while a
+        # thread is blocked in accept on it): a short retry covers that.
+        retry_until = time.monotonic() + LISTEN_RETRY_S
+        while True:
+            try:
+                self._listener = self._make_listener()
+                return
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE and time.monotonic() < retry_until:
+                    time.sleep(0.02)
+                    continue
+                raise AFDConnectionError(
+                    f"{self.me} cannot listen on {self.address}: {e.strerror or e}; is "
+                    f"another FFN server using this port?") from None
 
     def _accept_peers(self, deadline: float) -> None:
         expected = self.expected_peers()
@@ -284,7 +295,9 @@ class TcpConnector(AFDConnector):
                 f"rank(s) {missing()} to connect; is the attention server running with "
                 f"the same host, port and connector '{self.name}'?{self._refusal_note()}")
             try:
-                listener.settimeout(min(remaining, LOG_INTERVAL_S))
+                # Short: close() cannot wake an accept on a unix listener, and the
+                # address stays bound until that accept returns.
+                listener.settimeout(min(remaining, GATE_POLL_S))
                 sock, addr = listener.accept()
             except socket.timeout:
                 on_wait()
