@@ -174,6 +174,10 @@ def test_cuda_attention_role_splits_the_graph_at_the_remote_ffn(models_dir):
                                             "with AFD"),
     ({"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}, {},
      "compilation_config.cudagraph_mode=FULL_DECODE_ONLY cannot be combined"),
+    ({"tensor_parallel_size": 2}, {}, "--tensor-parallel-size 2 cannot be used on the AFD "
+                                      "attention role"),
+    ({"pipeline_parallel_size": 2}, {}, "--pipeline-parallel-size 2 cannot be used on the AFD "
+                                        "attention role"),
     ({"afd_config": {"connector": "nccl"}}, {}, "AFDConfig.connector='nccl' keeps payloads on "
                                                 "the device and needs cuda devices; this "
                                                 "server runs on cpu"),

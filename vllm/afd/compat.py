@@ -13,6 +13,10 @@ work with AFD:
   with a connector that cannot be captured: an exchange cannot run inside a
   graph (none of the shipped connectors can).
 - a connector whose payloads stay on the device (nccl) on another device type.
+- tensor or pipeline parallelism on the attention role: its ranks are its
+  data-parallel ranks (one link each); a TP group would send every layer once
+  per worker. More attention ranks come from --data-parallel-size or more
+  attention servers.
 
 `resolve_compilation` runs after vLLM chose its splitting ops: on the attention
 role the remote FFN op becomes a splitting op (piecewise graphs capture the
@@ -45,6 +49,15 @@ def check_vllm_config(vllm_config) -> None:
             f"{option} (vLLM's dual-batch overlap) cannot be combined with AFD (--afd-role "
             f"{afd.role}): both would split the step into micro-batches. Remove {option}; "
             f"AFD's own micro-batch ping-pong is AFDConfig.num_ubatches.")
+    if afd.is_attention and (pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1):
+        option = (f"--tensor-parallel-size {pc.tensor_parallel_size}"
+                  if pc.tensor_parallel_size > 1 else
+                  f"--pipeline-parallel-size {pc.pipeline_parallel_size}")
+        raise AFDConfigError(
+            f"{option} cannot be used on the AFD attention role: its ranks are its "
+            f"data-parallel ranks, one link each. Use --data-parallel-size (or more "
+            f"attention servers) for more attention ranks; tensor/expert parallelism "
+            f"belongs on the FFN role.")
     if envs.is_set("VLLM_USE_V2_MODEL_RUNNER") and envs.VLLM_USE_V2_MODEL_RUNNER:
         raise AFDConfigError(
             "VLLM_USE_V2_MODEL_RUNNER=1 cannot be combined with AFD (--afd-role "
