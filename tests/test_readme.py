@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""The README's deployment examples are consistent as written: the same
+checks the servers run at start-up and in the handshake, applied to its
+lines (tests/afd/test_topology.py runs the same topologies for real)."""
+
+import json
+import re
+import shlex
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from vllm.afd.config import AFDConfig
+from vllm.afd.topology import ffn_placement
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def deployments() -> list[list[list[str]]]:
+    """The `vllm serve` lines of the README's Topologies block, as argv lists,
+    grouped by blank lines."""
+    text = README.read_text()
+    block = text[text.index("### Topologies"):]
+    block = block[block.index("```") + 3:]
+    block = block[:block.index("```")]
+    groups, current = [], []
+    for line in block.splitlines():
+        if not line.strip():
+            if current:
+                groups.append(current)
+            current = []
+        elif line.startswith("vllm serve"):
+            current.append(shlex.split(line))
+    if current:
+        groups.append(current)
+    return groups
+
+
+def option(argv: list[str], name: str, default=None):
+    return argv[argv.index(name) + 1] if name in argv else default
+
+
+@pytest.mark.parametrize("servers", deployments(), ids=lambda g: f"{len(g)}-servers")
+def test_topology_examples_are_consistent(servers):
+    configs = []
+    for argv in servers:
+        afd = AFDConfig(**json.loads(option(argv, "--afd-config", "{}")),
+                        role=option(argv, "--afd-role"))
+        tp = int(option(argv, "--tensor-parallel-size", 1))
+        configs.append((afd, tp, int(option(argv, "--port", 8000))))
+    # Each server its own HTTP port on one host.
+    ports = [port for _, _, port in configs]
+    assert len(set(ports)) == len(ports), ports
+    ffns = [(a, tp) for a, tp, _ in configs if a.is_ffn]
+    attentions = [a for a, _, _ in configs if a.is_attention]
+    assert ffns and attentions
+    for a, _, _ in configs:  # the handshake compares these
+        for key in ("num_attention_ranks", "num_ffn_ranks", "connector", "gate_on"):
+            assert getattr(a, key) == getattr(configs[0][0], key), key
+    ffn_ranks = []
+    for ffn, tp in ffns:
+        parallel = SimpleNamespace(world_size=tp, pipeline_parallel_size=1,
+                                   data_parallel_size=1, data_parallel_rank=0)
+        ffn_ranks += [ffn_placement(SimpleNamespace(afd_config=ffn, parallel_config=parallel),
+                                    w).rank for w in range(tp)]
+        # The FFN serves any peer whose micro-batch count is at most its own.
+        assert all(a.num_ubatches <= ffn.num_ubatches for a in attentions)
+    assert sorted(ffn_ranks) == list(range(ffns[0][0].num_ffn_ranks))
+    assert sorted(a.attention_rank for a in attentions) == list(
+        range(attentions[0].num_attention_ranks))
+
+
+def test_two_setup_commands():
+    text = README.read_text()
+    setup = text[text.index("## Set-up: two commands"):]
+    setup = setup[setup.index("```") + 3:]
+    setup = setup[:setup.index("```")]
+    commands = re.findall(r"^(make \w+)", setup, re.M)
+    assert commands == ["make demo", "make test"]
+    assert "exec make test" in (README.parent / ".ci" / "run").read_text()
