@@ -89,12 +89,19 @@ def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int
         })
     link_stats = llm.collective_rpc("afd_link_stats")[0] if afd_config else None
     link = llm.collective_rpc("afd_link_document")[0] if afd_config else None
-    backends = llm.collective_rpc("afd_attention_backends")[0]
+    try:  # a worker method of vllm-afd's; stock vLLM (the stock reference) has none
+        backends = llm.collective_rpc("afd_attention_backends")[0]
+    except Exception:  # noqa: BLE001
+        backends = None
     if ffn_engine is not None:
         ffn_engine.shutdown()
     import torch
 
+    import vllm
+
     return {"results": results, "init_s": t_init, "generate_s": t_gen, "link_stats": link_stats,
+            "vllm": {"version": vllm.__version__, "file": vllm.__file__,
+                     "afd": hasattr(llm.llm_engine.vllm_config, "afd_config")},
             "dummy_runs": (link or {}).get("dummy_runs"), "attention_backends": backends,
             "amx": torch.cpu._is_amx_tile_supported()}
 
