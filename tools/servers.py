@@ -23,10 +23,44 @@ def cpu(i: int) -> str:
     return str(allowed[i % len(allowed)])
 
 
+PORT_STRIDE = 8  # room for port + f (FFN rank f) of a deployment's FFN ranks
+_next_port: list[int] = []
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    try:
+        for p in range(port, port + PORT_STRIDE):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p))
+        return True
+    except OSError:
+        return False
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port (and the PORT_STRIDE - 1 after it) for a test server to listen
+    on, race-free: taken below the kernel's ephemeral range, which port-0 binds
+    and outgoing connections draw from, so nothing else is handed it between
+    this check and the server's bind; never the same twice in a process (the
+    start is spread by pid across processes)."""
+    low = 10000
+    high = min(_ephemeral_low(), 32768) - PORT_STRIDE
+    if not _next_port:
+        span = (high - low) // PORT_STRIDE
+        _next_port.append(low + (os.getpid() * 7919 % span) * PORT_STRIDE)
+    for _ in range((high - low) // PORT_STRIDE):
+        port = _next_port[0]
+        _next_port[0] = port + PORT_STRIDE if port + 2 * PORT_STRIDE < high else low
+        if _bindable(port):
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def vllm_bin() -> str:

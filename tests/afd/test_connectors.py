@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from vllm.afd.transport import wire
+from servers import free_port  # noqa: F401  (race-free; other test modules import it from here)
 from vllm.afd.config import AFDConfig
 from vllm.afd.transport.connectors import (
     AFDConnectionError,
@@ -83,12 +84,6 @@ class FakeComm:
 
 
 FAKE_NCCL = FakeNccl()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make(kind: str, role: str, port: int, *, dtype=torch.float32, timeout_s: float = 10,

@@ -54,6 +54,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))  # tools/: servers.free_port
 if "vllm" not in sys.modules and not (Path.cwd() / "vllm" / "__init__.py").exists():
     sys.path.insert(0, str(REPO))  # the checkout's vllm/afd (a namespace package)
 

@@ -11,11 +11,11 @@ Nothing here imports vLLM: this is what runs on a GPU machine without it.
 
 import multiprocessing
 import os
-import socket
 
 import torch
 
 from model import MoE, TinyMoEDecoder  # noqa: I001 (tools/gpu_check on sys.path)
+from servers import free_port  # noqa: F401  (tools/ on sys.path; race-free ports)
 from vllm.afd.attention.link import AttentionLink, StepPlan
 from vllm.afd.attention.pingpong import run_micro_batches
 from vllm.afd.ffn.loop import FFNLoop
@@ -26,12 +26,6 @@ from vllm.afd.transport.wire import Routing
 
 MAX_TOKENS = 64
 MAX_UBATCHES = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def link_config(connector: str, port: int, role: str, timeout_s: float = 30.0) -> LinkConfig:
