@@ -75,4 +75,6 @@ def test_the_rss_rule_sees_a_leak():
     leaking = soak.rss_verdict(samples(45), "ffn", warm_t=12, duration_s=60)
     assert flat["flat"] and abs(flat["slope_mib_per_min"]) < 10, flat
     assert not leaking["flat"] and 35 < leaking["slope_mib_per_min"] < 55, leaking
+    # The rule it replaced (end - warm < max(10 % of warm, 64 MiB)) let it pass.
+    assert leaking["end_mib"] - leaking["warm_mib"] < max(0.10 * leaking["warm_mib"], 64)
     assert soak.rss_limit(600) == 8 and soak.rss_limit(60) == 40
