@@ -18,8 +18,9 @@ def test_the_users_afd_environment_does_not_leak_in(tmp_path):
     connect without a secret, still pass."""
     env = dict(os.environ, VLLM_AFD_TOKEN="a-secret-of-the-users-own-0123456789",
                VLLM_AFD_STATUS_DIR=str(tmp_path / "elsewhere"))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "tests/afd/test_frames_fuzz.py", "-k", "bad_handshake or fuzz"],
+    # -P: `python -m` would put the checkout (and its vllm/ tree) first on sys.path.
+    proc = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/afd/test_frames_fuzz.py", "-k", "bad_handshake or bad_frame"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert " passed" in proc.stdout

@@ -17,7 +17,7 @@ from servers import cpu
 from test_oracle import assert_same, plain_result, run_oracle
 
 PROBE = Path(__file__).with_name("batch_queue_probe.py")
-LONG_TOKENS = 120
+LONG_TOKENS = 64
 pytestmark = pytest.mark.slow
 
 

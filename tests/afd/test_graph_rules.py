@@ -110,7 +110,7 @@ def test_an_abandoned_step_resyncs_the_ffn(shm_link):
 CUDA_CONFIG = textwrap.dedent('''
     import json, sys, types
     from vllm.engine.arg_utils import EngineArgs
-    model, afd, compilation = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    model, cases = sys.argv[1], json.loads(sys.argv[2])
     model_config = EngineArgs(model=model, max_model_len=512).create_model_config()
     # vLLM's CUDA platform, as a GPU server resolves it; its kernels are never called.
     sys.modules["vllm._C_stable_libtorch"] = types.ModuleType("vllm._C_stable_libtorch")
@@ -121,24 +121,28 @@ CUDA_CONFIG = textwrap.dedent('''
     CudaPlatform.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(9, 0))
     from vllm.afd.config import AFDConfig
     from vllm.config import CompilationConfig, VllmConfig
-    try:
-        config = VllmConfig(model_config=model_config,
-                            compilation_config=CompilationConfig(**compilation),
-                            afd_config=AFDConfig(**afd) if afd else None)
-    except Exception as e:
-        print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
-    else:
-        cc = config.compilation_config
-        print(json.dumps({"platform": type(platforms.current_platform).__name__,
-                          "mode": int(cc.mode), "cudagraph_mode": cc.cudagraph_mode.name,
-                          "splitting_ops": cc.splitting_ops}))
+    results = []
+    for afd, compilation in cases:
+        try:
+            config = VllmConfig(model_config=model_config,
+                                compilation_config=CompilationConfig(**compilation),
+                                afd_config=AFDConfig(**afd) if afd else None)
+        except Exception as e:
+            results.append({"error": f"{type(e).__name__}: {e}"})
+        else:
+            cc = config.compilation_config
+            results.append({"platform": type(platforms.current_platform).__name__,
+                            "mode": int(cc.mode), "cudagraph_mode": cc.cudagraph_mode.name,
+                            "splitting_ops": cc.splitting_ops})
+    print(json.dumps(results))
 ''')
 
 
-def resolve_on_cuda(models_dir, afd: dict | None, compilation: dict | None = None) -> dict:
+def resolve_on_cuda(models_dir, cases: list[tuple[dict | None, dict]]) -> list[dict]:
+    """VllmConfig for each (afd_config, compilation_config), in one process
+    (importing vLLM dominates)."""
     proc = subprocess.run([sys.executable, "-c", CUDA_CONFIG, str(models_dir / "tiny-qwen3-moe"),
-                           json.dumps(afd), json.dumps(compilation or {})],
-                          capture_output=True, text=True, timeout=300)
+                           json.dumps(cases)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -148,22 +152,20 @@ def test_cuda_attention_role_splits_the_graph_at_the_remote_ffn(models_dir):
     FULL_AND_PIECEWISE graphs; the attention role gets piecewise graphs split
     at the remote FFN op (its exchange runs eagerly between the captured
     attention pieces), never a FULL mode; the FFN role is left alone."""
-    plain = resolve_on_cuda(models_dir, None)
+    plain, attention, ffn, full, piecewise = resolve_on_cuda(models_dir, [
+        (None, {}), ({"role": "attention"}, {}), ({"role": "ffn"}, {}),
+        ({"role": "attention"}, {"cudagraph_mode": "FULL"}),
+        ({"role": "attention"}, {"cudagraph_mode": "PIECEWISE"})])
     assert plain["platform"].endswith("CudaPlatform") and plain["mode"] == 3  # VLLM_COMPILE
     assert plain["cudagraph_mode"] == "FULL_AND_PIECEWISE"
     assert "vllm::afd_remote_ffn" not in plain["splitting_ops"]
-    attention = resolve_on_cuda(models_dir, {"role": "attention"})
     assert attention["cudagraph_mode"] == "PIECEWISE"
     assert "vllm::afd_remote_ffn" in attention["splitting_ops"]
     assert set(plain["splitting_ops"]) < set(attention["splitting_ops"])
-    ffn = resolve_on_cuda(models_dir, {"role": "ffn"})
     assert "vllm::afd_remote_ffn" not in ffn["splitting_ops"]
     # Asked for explicitly, a FULL mode is refused, naming the option.
-    full = resolve_on_cuda(models_dir, {"role": "attention"}, {"cudagraph_mode": "FULL"})
     assert "compilation_config.cudagraph_mode=FULL cannot be combined with the AFD " \
            "connector 'shm'" in full["error"]
-    piecewise = resolve_on_cuda(models_dir, {"role": "attention"},
-                                {"cudagraph_mode": "PIECEWISE"})
     assert piecewise["cudagraph_mode"] == "PIECEWISE"
 
 

@@ -28,12 +28,13 @@ COMMON = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
 MAX_TOKENS = 16
 
 
-@pytest.mark.parametrize("model_name", ["tiny-qwen3-moe", "tiny-deepseek-v2",
-                                        "tiny-deepseek-v3"])
+# DeepSeek-V3 is DeepSeek-V2 with other routing: the oracle's deepseek-v3 case.
+@pytest.mark.parametrize("model_name", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
 def test_two_role_serve_matches_plain(models_dir, tmp_path, model_name):
     model = models_dir / model_name
-    # MLA on CPU is not batch-invariant run to run (shared reference §8): the
-    # DeepSeek models are compared on one prompt, where plain vLLM is stable.
+    # MLA attention is not batch-invariant, and a served engine may start its
+    # first step before all 10 prompts arrived: DeepSeek is compared on one
+    # prompt here (its 10-prompt comparison is the oracle's, in one process).
     prompts = PROMPTS if "qwen" in model_name else PROMPTS[:1]
     # The oracle's in-process plain run, shared with test_oracle.py's cases.
     plain = plain_result(model, tmp_path, num_prompts=len(prompts))
