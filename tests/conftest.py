@@ -40,6 +40,18 @@ def pytest_configure(config):
             "tree; run them with `make test` (or .venv/bin/pytest from the repository root)")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--reverse-order", action="store_true",
+                     help="run the collected tests last to first: no test may depend on "
+                          "another having run before it (module fixtures still set up "
+                          "once per module)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--reverse-order"):
+        items.reverse()
+
+
 # Which kernels the model tests ran (e.g. the DeepSeek MLA backend), printed
 # at the end of the run: the suite runs on CPUs that pick different kernels.
 KERNEL_PATHS: set[str] = set()

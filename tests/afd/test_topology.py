@@ -94,7 +94,7 @@ def test_three_attention_two_ffn_uneven_with_data_parallel(models_dir, tmp_path)
     dp_server = Server(str(model), [
         "--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
         "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
-        "--no-enable-prefix-caching", "--data-parallel-size", "2",
+        "--no-enable-prefix-caching", "--data-parallel-size", "2", "--api-server-count", "1",
         "--afd-role", "attention", "--afd-config", json.dumps(base)],
         log_path=tmp_path / "attention-dp.log",
         env={"VLLM_CPU_OMP_THREADS_BIND": f"{cpu(0)}|{cpu(0)}"}, name="attention server (DP=2)")
