@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""Python face of the `afd` op library (csrc/): row gather/scatter. Data plane.
+"""Python face of the `afd` op library (csrc/): row gather/scatter and the
+transport slot's pack/unpack (exact or fp8 e4m3 with per-group scales). Data plane.
 
 The kernels are torch ops (torch.ops.afd.*) with fake implementations, so
 torch.compile traces them as opaque calls. The library is the wheel's
@@ -9,6 +10,7 @@ and hands the built file to load().
 """
 
 import importlib
+from dataclasses import dataclass
 
 import torch
 
@@ -38,6 +40,14 @@ def _register_fakes() -> None:
     def _scatter_rows_fake(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
         return None
 
+    @torch.library.register_fake("afd::pack")
+    def _pack_fake(hidden, topk_ids, topk_weights, group_size: int, slot) -> None:
+        return None
+
+    @torch.library.register_fake("afd::unpack")
+    def _unpack_fake(slot, group_size: int, hidden, topk_ids, topk_weights) -> None:
+        return None
+
 
 def gather_rows(src: torch.Tensor, index: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,3 +64,54 @@ def scatter_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> t
     load()
     torch.ops.afd.scatter_rows(src, index, out)
     return out
+
+
+# --------------------------------------------------------------- pack / unpack
+PACK_ALIGN = 8  # csrc/pack.h kPackAlign (= transport/wire.py ROUTING_ALIGN)
+FP8_E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """Byte offsets of one micro-batch in a transport slot; csrc/pack.h
+    pack_layout() is the same function (tests hold them together)."""
+
+    hidden_nbytes: int
+    groups: int  # fp32 scales per token (fp8), else 0
+    scales_offset: int
+    weights_offset: int
+    ids_offset: int
+    total: int
+
+    @classmethod
+    def of(cls, tokens: int, hidden: int, dtype: torch.dtype, group_size: int = 0,
+           topk: int = 0) -> "PackLayout":
+        fp8 = group_size > 0
+        hidden_nbytes = tokens * hidden * (1 if fp8 else dtype.itemsize)
+        groups = -(-hidden // group_size) if fp8 else 0
+        tail = groups * 4 + topk * 8
+        scales = -(-hidden_nbytes // PACK_ALIGN) * PACK_ALIGN if tail else hidden_nbytes
+        weights = scales + tokens * groups * 4
+        ids = weights + tokens * topk * 4
+        return cls(hidden_nbytes, groups, scales, weights, ids, ids + tokens * topk * 4)
+
+
+def pack(hidden: torch.Tensor, slot: torch.Tensor, group_size: int = 0,
+         topk_ids: torch.Tensor | None = None,
+         topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [T, H] (and routing) into slot, a uint8 tensor of exactly
+    PackLayout.of(...).total bytes; group_size 0: exact, > 0: fp8 e4m3 with
+    one fp32 scale per group_size elements of a token."""
+    load()
+    torch.ops.afd.pack(hidden, topk_ids, topk_weights, group_size, slot)
+    return slot
+
+
+def unpack(slot: torch.Tensor, hidden: torch.Tensor, group_size: int = 0,
+           topk_ids: torch.Tensor | None = None,
+           topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of pack, into caller-owned tensors (hidden's shape and
+    dtype say what the slot holds)."""
+    load()
+    torch.ops.afd.unpack(slot, group_size, hidden, topk_ids, topk_weights)
+    return hidden

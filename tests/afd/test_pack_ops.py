@@ -1,0 +1,176 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""afd::pack / afd::unpack (CPU) against a plain-torch reference.
+
+Exact packing is byte for byte the protocol's LayerFrame payload; fp8 packing
+is byte for byte torch's own e4m3fn conversion of x / scale, and the round trip
+stays within the bound csrc/pack.h states."""
+
+import pytest
+import torch
+
+from vllm.afd.kernels import ops
+from vllm.afd.kernels.ops import PackLayout
+from vllm.afd.transport.wire import Routing, routed_parts
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+GROUP = 128
+
+
+def reference_quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 bytes [T, H] as uint8, fp32 scales [T, G]) in plain torch."""
+    tokens, hidden = x.shape
+    groups = -(-hidden // group)
+    xf = torch.nn.functional.pad(x.float(), (0, groups * group - hidden)).view(
+        tokens, groups, group)
+    amax = xf.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / ops.FP8_E4M3_MAX, torch.ones_like(amax))
+    q = (xf / scale[..., None]).to(torch.float8_e4m3fn).view(tokens, groups * group)
+    return q[:, :hidden].contiguous().view(torch.uint8), scale
+
+
+def reference_dequantize(q: torch.Tensor, scale: torch.Tensor, group: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+    hidden = q.shape[1]
+    full = scale.repeat_interleave(group, dim=1)[:, :hidden]
+    return (q.view(torch.float8_e4m3fn).float() * full).to(dtype)
+
+
+def routing(tokens: int, topk: int, id_dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (tokens, topk), generator=g).to(id_dtype)
+    weights = torch.rand(tokens, topk, generator=g)
+    return ids, weights
+
+
+def hidden_states(tokens: int, hidden: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # Rows of very different magnitudes, as residual streams have.
+    scale = torch.logspace(-3, 2, max(tokens, 1))[:tokens, None]
+    return (torch.randn(tokens, hidden, generator=g) * scale).to(dtype)
+
+
+def new_slot(layout: PackLayout) -> torch.Tensor:
+    return torch.full((layout.total,), 0xAB, dtype=torch.uint8)  # garbage, not zeros
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, hidden", [(0, 64), (1, 1), (3, 7), (5, 129), (2, 2048)])
+@pytest.mark.parametrize("topk", [0, 2])
+def test_exact_pack_is_the_wire_payload(dtype, tokens, hidden, topk):
+    x = hidden_states(tokens, hidden, dtype)
+    ids, weights = routing(tokens, topk, torch.int32) if topk else (None, None)
+    layout = PackLayout.of(tokens, hidden, dtype, 0, topk)
+    slot = ops.pack(x, new_slot(layout), 0, ids, weights)
+    parts = routed_parts(x, Routing(weights, ids)) if topk else [x]
+    wire = torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in parts])
+    assert torch.equal(slot, wire)
+    out = torch.empty_like(x)
+    ids2 = torch.empty_like(ids) if topk else None
+    w2 = torch.empty_like(weights) if topk else None
+    ops.unpack(slot, out, 0, ids2, w2)
+    assert torch.equal(out, x)
+    if topk:
+        assert torch.equal(ids2, ids) and torch.equal(w2, weights)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, hidden", [(0, 128), (1, 1), (3, 7), (4, 129), (2, 1000),
+                                            (8192, 64)])
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_fp8_pack_matches_torch_and_stays_within_the_bound(dtype, tokens, hidden, id_dtype):
+    x = hidden_states(tokens, hidden, dtype, seed=tokens + hidden)
+    x[:, :1] = 0  # an element that is exactly zero stays zero
+    ids, weights = routing(tokens, 4, id_dtype)
+    layout = PackLayout.of(tokens, hidden, dtype, GROUP, 4)
+    slot = ops.pack(x, new_slot(layout), GROUP, ids, weights)
+
+    q, scale = reference_quantize(x, GROUP)
+    assert torch.equal(slot[:layout.hidden_nbytes], q.view(-1))
+    assert torch.all(slot[layout.hidden_nbytes:layout.scales_offset] == 0)  # padding
+    got_scale = slot[layout.scales_offset:layout.weights_offset].view(torch.float32)
+    assert torch.equal(got_scale, scale.view(-1))
+    assert torch.equal(slot[layout.weights_offset:layout.ids_offset].view(torch.float32),
+                       weights.view(-1))
+    assert torch.equal(slot[layout.ids_offset:].view(torch.int32), ids.view(-1).int())
+
+    out = torch.empty_like(x)
+    ids2, w2 = torch.empty_like(ids), torch.empty_like(weights)
+    ops.unpack(slot, out, GROUP, ids2, w2)
+    assert torch.equal(out, reference_dequantize(q, scale, GROUP, dtype))
+    assert torch.equal(ids2, ids) and torch.equal(w2, weights)
+    # The stated bound: |x - x'| <= |x| / 16 + scale / 1024, plus rounding x'
+    # to the compute dtype (half an ulp of it).
+    if tokens:
+        full = scale.repeat_interleave(GROUP, dim=1)[:, :hidden]
+        half_ulp = torch.finfo(dtype).eps / 2
+        bound = x.float().abs() / 16 + full / 1024 + out.float().abs() * half_ulp
+        err = (x.float() - out.float()).abs()
+        assert torch.all(err <= bound * (1 + 1e-6)), (err - bound).max()
+        assert torch.all(out[:, 0] == 0)
+
+
+def test_fp8_is_a_quarter_of_the_float32_bytes():
+    hidden = 2048
+    exact = PackLayout.of(128, hidden, torch.bfloat16).total
+    fp8 = PackLayout.of(128, hidden, torch.bfloat16, GROUP).total
+    assert exact == 128 * hidden * 2
+    assert fp8 == 128 * hidden + 128 * (hidden // GROUP) * 4  # 1 byte + 1/32 for scales
+
+
+@pytest.mark.parametrize("group", [0, GROUP, 64])
+@pytest.mark.parametrize("topk", [0, 1, 8])
+def test_the_kernels_and_python_agree_on_the_layout(group, topk):
+    for tokens, hidden, dtype in [(0, 8, torch.float32), (1, 1, torch.bfloat16),
+                                  (7, 129, torch.float16), (3, 4096, torch.float32)]:
+        layout = PackLayout.of(tokens, hidden, dtype, group, topk)
+        x = torch.zeros(tokens, hidden, dtype=dtype)
+        ids, weights = routing(tokens, topk, torch.int32) if topk else (None, None)
+        ops.pack(x, new_slot(layout), group, ids, weights)  # exactly total: accepted
+        for wrong in (layout.total - 1, layout.total + 1):
+            if wrong < 0:
+                continue
+            with pytest.raises(RuntimeError, match=f"needs {layout.total}"):
+                ops.pack(x, torch.empty(wrong, dtype=torch.uint8), group, ids, weights)
+
+
+BAD = [
+    (lambda x, s, i, w: ops.pack(x[None], s, 0), "hidden must be \\[tokens, hidden\\]"),
+    (lambda x, s, i, w: ops.pack(x.int(), s, 0), "hidden must be float32, bfloat16 or float16"),
+    (lambda x, s, i, w: ops.pack(x.t(), s, 0), "hidden must be contiguous"),
+    (lambda x, s, i, w: ops.pack(x, s.float(), 0), "slot must be a contiguous 1-D uint8"),
+    (lambda x, s, i, w: ops.pack(x, s, -1), "group_size must be >= 0"),
+    (lambda x, s, i, w: ops.pack(x, s, 0, i, None), "topk_ids and topk_weights come together"),
+    (lambda x, s, i, w: ops.pack(x, s, 0, i, w[:, :1]), "differ in shape"),
+    (lambda x, s, i, w: ops.pack(x, s, 0, i[:1], w[:1]), "topk_ids must be \\[4, topk\\]"),
+    (lambda x, s, i, w: ops.pack(x, s, 0, i.float(), w), "topk_ids must be int32 or int64"),
+    (lambda x, s, i, w: ops.pack(x, s, 0, i, w.bfloat16()), "topk_weights must be float32"),
+    (lambda x, s, i, w: ops.pack(x, s, 0, i.long() + 2**40, w), "does not fit the wire's int32"),
+    (lambda x, s, i, w: ops.unpack(s[:-1], x, 0, i, w), "slot has"),
+]
+
+
+@pytest.mark.parametrize("call, message", BAD, ids=[m for _, m in BAD])
+def test_bad_inputs_name_the_problem(call, message):
+    x = hidden_states(4, 16, torch.float32)
+    ids, weights = routing(4, 2, torch.int32)
+    slot = new_slot(PackLayout.of(4, 16, torch.float32, 0, 2))
+    with pytest.raises(RuntimeError, match=message):
+        call(x, slot, ids, weights)
+
+
+def test_pack_is_opaque_to_torch_compile():
+    """The fake kernels let the ops sit in a compiled graph without a break."""
+    layout = PackLayout.of(4, 256, torch.float32, GROUP)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def round_trip(x, slot, out):
+        torch.ops.afd.pack(x, None, None, GROUP, slot)
+        torch.ops.afd.unpack(slot, GROUP, out, None, None)
+        return out * 1
+
+    ops.load()
+    x = hidden_states(4, 256, torch.float32)
+    out = round_trip(x, new_slot(layout), torch.empty_like(x))
+    q, scale = reference_quantize(x, GROUP)
+    assert torch.equal(out, reference_dequantize(q, scale, GROUP, torch.float32))
