@@ -18,7 +18,7 @@ AFD_SOURCES := $(shell git ls-files vllm/afd csrc patches) setup.py pyproject.to
 	tools/vendor.py tools/series.py tools/upstream.py
 WHEEL_STAMP := build/.installed-$(FLAVOR)
 
-.PHONY: demo test bench soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
+.PHONY: demo test bench bench-kernels soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
 
 demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
@@ -34,6 +34,11 @@ bench: $(WHEEL_STAMP)
 	$(PY) tools/make_tiny_models.py --out $(MODELS) --models bench-qwen3-moe
 	$(PIP) install -q $(BENCH_REQUIREMENTS)
 	$(PY) benchmarks/afd_vs_colocated.py $(ARGS)
+
+# The op library's pack/unpack (exact, fp8) against a memcpy of the same bytes, on
+# one thread; ARGS=--threads 2, --hidden 7168, ... Results in benchmarks/results/kernels.json.
+bench-kernels: $(WHEEL_STAMP)
+	$(PY) benchmarks/kernels.py $(ARGS)
 
 # Soak: 4 clients against an FFN server and an attention server for 10 minutes;
 # ARGS=--quick (1 minute), ARGS="--minutes 3 --clients 8", ... Fails on any error
