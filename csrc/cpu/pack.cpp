@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <cstdint>
 #include <limits>
 
 #include "../pack.h"
@@ -22,6 +23,46 @@ namespace {
 // A token's row is a few KiB; a handful per task keeps thread start-up small.
 constexpr int64_t kGrainTokens = 8;
 
+// fp32 -> e4m3fn bits, round to nearest even, saturating at +-448 (NaN stays
+// NaN): the same bits as c10::Float8_e4m3fn(float), computed without branches
+// so the compiler vectorizes the loop that calls it (both candidate results
+// are computed and one is selected).
+inline uint8_t fp8_e4m3fn_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t sign = bits & 0x80000000u;
+  const uint32_t a = bits ^ sign;
+  // Normal range: rebias the exponent, round the 20 dropped mantissa bits to
+  // nearest even, keep the top 8 bits. Carrying into 0x7f (NaN) saturates.
+  uint32_t normal = (a + (uint32_t(7 - 127) << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;
+  normal = normal == 0x7Fu ? 0x7Eu : normal;
+  // Below 2^-6 (fp8 subnormals): let an fp32 addition do the rounding.
+  constexpr uint32_t kDenormMagic = 141u << 23;
+  float af, magic;
+  std::memcpy(&af, &a, 4);
+  std::memcpy(&magic, &kDenormMagic, 4);
+  const float sum = af + magic;
+  uint32_t sum_bits;
+  std::memcpy(&sum_bits, &sum, 4);
+  const uint32_t subnormal = sum_bits - kDenormMagic;
+  uint32_t r = a < (121u << 23) ? subnormal : normal;
+  const uint32_t big = a > 0x7F800000u ? 0x7Fu : 0x7Eu;  // NaN, or finite overflow / inf
+  r = a >= (1087u << 20) ? big : r;
+  return static_cast<uint8_t>((r & 0xFFu) | (sign >> 24));
+}
+
+// fp8 bits -> fp32, all 256 of them (exact, from c10's conversion).
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i) {
+      value[i] = static_cast<float>(
+          c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    }
+  }
+};
+const Fp8Table kFp8Table;
+
 template <typename scalar_t>
 void quantize_row(const scalar_t* x, int64_t hidden, int64_t group, uint8_t* q,
                   float* scales) {
@@ -29,12 +70,13 @@ void quantize_row(const scalar_t* x, int64_t hidden, int64_t group, uint8_t* q,
     const int64_t g1 = std::min(hidden, g0 + group);
     float amax = 0.f;
     for (int64_t i = g0; i < g1; ++i) {
-      amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
+      const float a = std::fabs(static_cast<float>(x[i]));
+      amax = a > amax ? a : amax;
     }
     const float scale = amax > 0.f ? amax / kFp8E4m3Max : 1.f;
     scales[gi] = scale;
     for (int64_t i = g0; i < g1; ++i) {
-      q[i] = c10::Float8_e4m3fn(static_cast<float>(x[i]) / scale).x;
+      q[i] = fp8_e4m3fn_bits(static_cast<float>(x[i]) / scale);
     }
   }
 }
@@ -42,13 +84,12 @@ void quantize_row(const scalar_t* x, int64_t hidden, int64_t group, uint8_t* q,
 template <typename scalar_t>
 void dequantize_row(const uint8_t* q, const float* scales, int64_t hidden, int64_t group,
                     scalar_t* out) {
+  const float* table = kFp8Table.value;
   for (int64_t g0 = 0, gi = 0; g0 < hidden; g0 += group, ++gi) {
     const int64_t g1 = std::min(hidden, g0 + group);
     const float scale = scales[gi];
     for (int64_t i = g0; i < g1; ++i) {
-      const float v =
-          static_cast<float>(c10::Float8_e4m3fn(q[i], c10::Float8_e4m3fn::from_bits()));
-      out[i] = static_cast<scalar_t>(v * scale);
+      out[i] = static_cast<scalar_t>(table[q[i]] * scale);
     }
   }
 }

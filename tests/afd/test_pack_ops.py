@@ -174,3 +174,33 @@ def test_pack_is_opaque_to_torch_compile():
     out = round_trip(x, new_slot(layout), torch.empty_like(x))
     q, scale = reference_quantize(x, GROUP)
     assert torch.equal(out, reference_dequantize(q, scale, GROUP, torch.float32))
+
+
+def test_fp8_conversion_is_torchs_bit_for_bit():
+    """Every rounding case of fp32 -> e4m3fn that pack can meet (|x / scale|
+    <= 448): normal and subnormal ranges, ties, values that round up into the
+    next binade, zeros of both signs and NaN. Each group of 128 starts with
+    448, so its scale is 1 and the kernel converts x itself."""
+    g = torch.Generator().manual_seed(7)
+    magnitudes = torch.cat([
+        torch.logspace(-12, 2.65, 40000, base=10.0),  # up to ~447
+        torch.rand(20000, generator=g) * 448,
+        torch.arange(0, 2 ** 12).float() * 2.0 ** -18,  # the subnormal steps and their ties
+        torch.tensor([0.0, 2.0 ** -6, 2.0 ** -9, 2.0 ** -10, 3 * 2.0 ** -11, 432.0, 440.0,
+                      447.99, 448.0]),
+    ])
+    values = torch.cat([magnitudes, -magnitudes, torch.tensor([-0.0, float("nan")])])
+    per_group = GROUP - 1
+    groups = -(-values.numel() // per_group)
+    body = torch.nn.functional.pad(values, (0, groups * per_group - values.numel()))
+    x = torch.cat([torch.full((groups, 1), 448.0), body.view(groups, per_group)], dim=1)
+    x = x.reshape(-1, 2 * GROUP) if groups % 2 == 0 else x  # two groups per token
+    layout = PackLayout.of(x.shape[0], x.shape[1], torch.float32, GROUP)
+    slot = ops.pack(x.contiguous(), new_slot(layout), GROUP)
+    scales = slot[layout.scales_offset:].view(torch.float32)
+    assert torch.all(scales == 1.0)
+    expected = x.to(torch.float8_e4m3fn).view(torch.uint8).view(-1)
+    got = slot[:layout.hidden_nbytes]
+    mismatch = (got != expected).nonzero().view(-1)
+    assert mismatch.numel() == 0, [(x.view(-1)[i].item(), got[i].item(), expected[i].item())
+                                   for i in mismatch[:5]]
