@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm.afd.transport.wire import ROUTING_ALIGN
+
 _loaded = False
 
 
@@ -67,8 +69,9 @@ def scatter_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> t
 
 
 # --------------------------------------------------------------- pack / unpack
-PACK_ALIGN = 8  # csrc/pack.h kPackAlign (= transport/wire.py ROUTING_ALIGN)
-FP8_E4M3_MAX = 448.0
+# csrc/pack.h kPackAlign: exact routed slots are the wire's routed payload.
+PACK_ALIGN = ROUTING_ALIGN
+FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0, csrc/pack.h kFp8E4m3Max
 
 
 @dataclass(frozen=True)
