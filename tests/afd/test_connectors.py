@@ -88,9 +88,10 @@ FAKE_NCCL = FakeNccl()
 
 def make(kind: str, role: str, port: int, *, dtype=torch.float32, timeout_s: float = 10,
          num_ubatches: int = 1, num_attention_ranks: int = 1, hidden_size: int = HIDDEN,
-         max_tokens: int = MAX_TOKENS, **kwargs):
+         max_tokens: int = MAX_TOKENS, transfer_dtype="auto", **kwargs):
     cfg = AFDConfig(role=role, connector=kind, port=port, timeout_s=timeout_s,
-                    num_ubatches=num_ubatches, num_attention_ranks=num_attention_ranks)
+                    num_ubatches=num_ubatches, num_attention_ranks=num_attention_ranks,
+                    transfer_dtype=transfer_dtype)
     if kind == "nccl":
         kwargs.setdefault("communicator_factory", FAKE_NCCL)
         kwargs.setdefault("device", "cpu")
@@ -644,6 +645,106 @@ def test_routing_round_trip(kind, dtype):
                 assert torch.equal(got[0], r.topk_weights) and torch.equal(got[1], r.topk_ids)
                 assert got[0].dtype == torch.float32 and got[1].dtype == torch.int32
         assert attn.bytes_sent == ffn.bytes_received and attn.bytes_received == ffn.bytes_sent
+    finally:
+        attn.close()
+        ffn.close()
+
+
+@pytest.mark.parametrize("transfer", ["fp8", {"to_ffn": "fp8"}, {"to_attention": "fp8"}],
+                         ids=["fp8", "fp8-to-ffn", "fp8-to-attention"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_round_trip(kind, transfer):
+    """transfer_dtype fp8: hidden states (and outputs, per direction) travel as
+    fp8 e4m3 with a float32 scale per 128 elements, packed by the op library
+    (into the shared-memory slot itself for shm); each side gets exactly what
+    plain torch's quantize/dequantize of the sent tensor gives, routing stays
+    exact, and fp8 frames carry about half the bytes of bf16 ones."""
+    from test_pack_ops import reference_dequantize, reference_quantize
+
+    def through_fp8(x: torch.Tensor) -> torch.Tensor:
+        return reference_dequantize(*reference_quantize(x, 128), 128, x.dtype)
+
+    cfg = AFDConfig(role="attention", transfer_dtype=transfer)
+    to_ffn, back = (cfg.transfer_to_ffn == "fp8"), (cfg.transfer_to_attention == "fp8")
+    hidden, dtype = 200, torch.bfloat16  # two scale groups, the second partial
+    attn, ffn = connect_pair(kind, num_ubatches=2, dtype=dtype, hidden_size=hidden,
+                             routing_topk=TOPK, transfer_dtype=transfer)
+    seen: list = []
+    server = Background(ffn_serve, ffn, 2, seen)
+    g = torch.Generator().manual_seed(3)
+    try:
+        for step_id, tokens in enumerate([[1, 0], [MAX_TOKENS // 2] * 2, [5, 3]]):
+            attn.send_step(StepHeader(step_id=step_id, num_tokens=tokens))
+            for layer in range(2):
+                hs = [(torch.randn(n, hidden, generator=g) * 10).to(dtype) for n in tokens]
+                rs = [routing_for(n, u) if layer == 0 else None for u, n in enumerate(tokens)]
+                for u, (h, r) in enumerate(zip(hs, rs)):
+                    attn.send_hidden(layer, u, h, routing=r)
+                for u, (h, r) in enumerate(zip(hs, rs)):
+                    out = attn.recv_output(layer, u, out=torch.empty_like(h) if u else None)
+                    received = through_fp8(h) if to_ffn else h
+                    expected = received * 2 + layer
+                    if r is not None:
+                        expected = expected + (r.topk_weights * r.topk_ids).sum(
+                            1, keepdim=True).to(dtype)
+                    if back:
+                        expected = through_fp8(expected)
+                    assert torch.equal(out, expected), (step_id, layer, u)
+                    if to_ffn and h.numel():
+                        assert not torch.equal(received, h)  # it really went as fp8
+        attn.send_step(StepHeader(step_id=0, num_tokens=[], flags=wire.SHUTDOWN))
+        assert server.join_result() == 3
+        for layer, u, got in seen:  # routing is never quantized
+            assert (got is None) == (layer != 0)
+        assert attn.bytes_sent == ffn.bytes_received and attn.bytes_received == ffn.bytes_sent
+    finally:
+        attn.close()
+        ffn.close()
+
+
+def test_fp8_frames_are_half_the_bytes_of_bf16():
+    """Bytes on the wire per token and layer, bf16 against fp8 (hidden 2048,
+    no routing): 2 bytes an element against 1 plus a 4-byte scale per 128."""
+    totals = {}
+    for transfer in ("auto", "fp8"):
+        attn, ffn = connect_pair("tcp", dtype=torch.bfloat16, hidden_size=2048,
+                                 transfer_dtype=transfer)
+        server = Background(ffn_serve, ffn, 1)
+        try:
+            attn.send_step(StepHeader(step_id=0, num_tokens=[16]))
+            before = attn.bytes_sent
+            attn.send_hidden(0, 0, torch.randn(16, 2048).to(torch.bfloat16))
+            totals[transfer] = attn.bytes_sent - before
+            attn.recv_output(0, 0)
+            attn.send_step(StepHeader(step_id=0, num_tokens=[], flags=wire.SHUTDOWN))
+            server.join_result()
+        finally:
+            attn.close()
+            ffn.close()
+    payload = {t: n - (totals[t] - totals[t] // 16 * 16) for t, n in totals.items()}
+    assert totals["auto"] > 16 * 2048 * 2 and totals["fp8"] > 16 * (2048 + 16 * 4)
+    assert totals["fp8"] < 0.52 * totals["auto"], totals
+
+
+@pytest.mark.parametrize("attention, ffn_side, field", [
+    ("fp8", "auto", "transfer_to_ffn: expected 'auto', received 'fp8'"),
+    ({"to_attention": "fp8"}, "auto", "transfer_to_attention: expected 'auto', received 'fp8'"),
+    ("auto", {"to_ffn": "fp8"}, "transfer_to_ffn: expected 'fp8', received 'auto'"),
+])
+def test_handshake_refuses_transfer_dtype_mismatch(attention, ffn_side, field):
+    """Peers configured with different transfer encodings are refused at the
+    handshake, naming the field, before any tensor moves."""
+    port = free_port()
+    ffn = make("shm", "ffn", port, transfer_dtype=ffn_side)
+    attn = make("shm", "attention", port, transfer_dtype=attention)
+    waiter = Background(ffn.connect)
+    try:
+        with pytest.raises(ProtocolError, match=field):
+            attn.connect()
+        assert field.split(":")[0] in ffn.last_refusal
+        ffn.close()
+        with pytest.raises(AFDConnectionError, match="was closed while it waited"):
+            waiter.join_result()
     finally:
         attn.close()
         ffn.close()

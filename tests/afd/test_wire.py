@@ -156,13 +156,30 @@ def test_check_frame_accepts_and_returns_dtype():
      "LayerFrame.nbytes: expected 4224 (shape [8, 128] x float32, topk 2), received 4160"),
     (frame(topk=2, shape=[8, 2, 64], nbytes=8 * 128 * 4 + 8 * 2 * 8),
      {"routing_topk": 2, "hidden_size": None, "expected_shape_tail": (2, 64)},
-     "LayerFrame.shape: expected [num_tokens, hidden_size] (routed frame), received"),
+     "LayerFrame.shape: expected [num_tokens, hidden_size] (routed or fp8 frame), received"),
     (frame(topk=2, shape=[2048, 128], nbytes=2048 * 128 * 4 + 2048 * 2 * 8),
      {"routing_topk": 2}, "LayerFrame.nbytes: expected at most 1048576, received 1081344"),
+    # Transfer encodings (transfer_dtype): only the negotiated one, sizes by its layout.
+    (frame(encoding="fp8_e4m3", scale_group=128, nbytes=1056), {},
+     "LayerFrame.encoding: expected exact, received 'fp8_e4m3'"),
+    (frame(), {"encoding": "fp8_e4m3", "scale_group": 128},
+     "LayerFrame.encoding: expected fp8_e4m3, received 'exact'"),
+    (frame(encoding="fp8_e4m3", scale_group=64, nbytes=1088),
+     {"encoding": "fp8_e4m3", "scale_group": 128},
+     "LayerFrame.scale_group: expected 128, received 64"),
+    (frame(scale_group=128), {}, "LayerFrame.scale_group: expected 0, received 128"),
+    (frame(encoding="fp8_e4m3", scale_group=128), {"encoding": "fp8_e4m3", "scale_group": 128},
+     "LayerFrame.nbytes: expected 1056 (shape [8, 128] x float32, fp8_e4m3/128), "
+     "received 4096"),
+    (frame(encoding="fp8_e4m3", scale_group=128, shape=[8, 2, 64], nbytes=1056),
+     {"encoding": "fp8_e4m3", "scale_group": 128, "hidden_size": None,
+      "expected_shape_tail": (2, 64)},
+     "LayerFrame.shape: expected [num_tokens, hidden_size] (routed or fp8 frame), received"),
 ], ids=["layer", "ubatch", "step", "hidden", "ndim", "no-dims", "tokens", "dtype",
         "dtype-not-allowed", "nbytes-mismatch", "oversized", "hostile-shape",
         "routing-not-negotiated", "routing-width", "routing-bytes-missing",
-        "routing-bytes-short", "routing-3d", "routing-oversized"])
+        "routing-bytes-short", "routing-3d", "routing-oversized", "fp8-not-negotiated",
+        "fp8-expected", "fp8-group", "group-without-fp8", "fp8-bytes", "fp8-3d"])
 def test_check_frame_errors(bad, overrides, message):
     with pytest.raises(ProtocolError) as e:
         check(bad, context="from FFN rank 0", **overrides)

@@ -90,6 +90,13 @@ class AFDConfig:
     """Where the MoE router runs: 'ffn' (default) or 'attention' (top-k ids and
     weights travel with the hidden states)."""
 
+    transfer_dtype: str | dict[str, str] = "auto"
+    """How hidden states cross the link: 'auto' (the model's dtype, exact) or 'fp8'
+    (float8 e4m3 with one float32 scale per 128 elements of a token: about half the
+    bytes of bf16; the README's accuracy section states its error). One value for
+    both directions, or per direction: {"to_ffn": "fp8", "to_attention": "auto"}.
+    Both roles must be given the same."""
+
     timeout_s: float = 60.0
     """Seconds to wait for a peer (connection, step, layer result) before failing
     with an error."""
@@ -133,6 +140,7 @@ class AFDConfig:
                              f"1-{MAX_UBATCHES}")
         if self.timeout_s <= 0:
             raise ValueError(f"AFDConfig.timeout_s: must be > 0, got {self.timeout_s}")
+        self.transfer_dtype = _transfer_dtypes(self.transfer_dtype)
         self._check_security()
 
     def _check_security(self) -> None:
@@ -160,6 +168,16 @@ class AFDConfig:
             return (self.connector_extra_config.get("notify", "unix") == "tcp"
                     or not sys.platform.startswith("linux"))
         return self.connector != "loopback"
+
+    @property
+    def transfer_to_ffn(self) -> str:
+        """How hidden states travel to the FFN ('auto' or 'fp8')."""
+        return _transfer_dtypes(self.transfer_dtype)["to_ffn"]
+
+    @property
+    def transfer_to_attention(self) -> str:
+        """How the FFN's outputs travel back ('auto' or 'fp8')."""
+        return _transfer_dtypes(self.transfer_dtype)["to_attention"]
 
     def link_config(self):
         """What the data plane needs of this config (transport/config.py)."""
@@ -217,6 +235,28 @@ class AFDConfig:
 
             prepare_status_dir()
         return config
+
+
+def _transfer_dtypes(value: "str | dict[str, str]") -> "str | dict[str, str]":
+    """transfer_dtype checked and, when given per direction, completed (a
+    direction not named is 'auto'); one string stands for both directions."""
+    from vllm.afd.transport.wire import TRANSFER_AUTO, TRANSFER_DTYPES
+
+    def check(v: Any, where: str) -> str:
+        if v not in TRANSFER_DTYPES:
+            raise ValueError(f"AFDConfig.transfer_dtype{where}: {v!r} is not one of "
+                             f"{', '.join(map(repr, TRANSFER_DTYPES))}")
+        return v
+
+    if isinstance(value, str):
+        v = check(value, "")
+        return {"to_ffn": v, "to_attention": v}
+    unknown = sorted(set(value) - {"to_ffn", "to_attention"})
+    if unknown:
+        raise ValueError(f"AFDConfig.transfer_dtype: unknown direction(s) {unknown}; valid: "
+                         f"'to_ffn', 'to_attention'")
+    return {d: check(value.get(d, TRANSFER_AUTO), f"[{d!r}]")
+            for d in ("to_ffn", "to_attention")}
 
 
 def _checked_keys(values: Any, source: str) -> dict[str, Any]:

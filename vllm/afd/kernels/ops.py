@@ -10,11 +10,10 @@ and hands the built file to load().
 """
 
 import importlib
-from dataclasses import dataclass
 
 import torch
 
-from vllm.afd.transport.wire import ROUTING_ALIGN
+from vllm.afd.transport.wire import ROUTING_ALIGN, PayloadLayout
 
 _loaded = False
 
@@ -69,34 +68,11 @@ def scatter_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> t
 
 
 # --------------------------------------------------------------- pack / unpack
-# csrc/pack.h kPackAlign: exact routed slots are the wire's routed payload.
-PACK_ALIGN = ROUTING_ALIGN
+# The slot layout is the wire's (csrc/pack.h mirrors it): exact routed slots are
+# byte for byte protocol v5's routed LayerFrame payloads, fp8 slots its fp8 ones.
+PackLayout = PayloadLayout
+PACK_ALIGN = ROUTING_ALIGN  # csrc/pack.h kPackAlign
 FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0, csrc/pack.h kFp8E4m3Max
-
-
-@dataclass(frozen=True)
-class PackLayout:
-    """Byte offsets of one micro-batch in a transport slot; csrc/pack.h
-    pack_layout() is the same function (tests hold them together)."""
-
-    hidden_nbytes: int
-    groups: int  # fp32 scales per token (fp8), else 0
-    scales_offset: int
-    weights_offset: int
-    ids_offset: int
-    total: int
-
-    @classmethod
-    def of(cls, tokens: int, hidden: int, dtype: torch.dtype, group_size: int = 0,
-           topk: int = 0) -> "PackLayout":
-        fp8 = group_size > 0
-        hidden_nbytes = tokens * hidden * (1 if fp8 else dtype.itemsize)
-        groups = -(-hidden // group_size) if fp8 else 0
-        tail = groups * 4 + topk * 8
-        scales = -(-hidden_nbytes // PACK_ALIGN) * PACK_ALIGN if tail else hidden_nbytes
-        weights = scales + tokens * groups * 4
-        ids = weights + tokens * topk * 4
-        return cls(hidden_nbytes, groups, scales, weights, ids, ids + tokens * topk * 4)
 
 
 def pack(hidden: torch.Tensor, slot: torch.Tensor, group_size: int = 0,

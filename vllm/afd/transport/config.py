@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 ROLES = ("attention", "ffn")
+TRANSFER_DTYPES = ("auto", "fp8")  # wire.TRANSFER_DTYPES
 MAX_UBATCHES = 4
 
 
@@ -29,6 +30,9 @@ class LinkConfig:
     connector_extra_config: dict[str, Any] = field(default_factory=dict)
     token_file: str | None = None
     allow_insecure: bool = False
+    # AFDConfig.transfer_dtype, per direction: "auto" (exact) or "fp8".
+    transfer_to_ffn: str = "auto"
+    transfer_to_attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -42,6 +46,10 @@ class LinkConfig:
                              f"1-{MAX_UBATCHES}")
         if self.timeout_s <= 0:
             raise ValueError(f"LinkConfig.timeout_s: must be > 0, got {self.timeout_s}")
+        for name in ("transfer_to_ffn", "transfer_to_attention"):
+            if getattr(self, name) not in TRANSFER_DTYPES:
+                raise ValueError(f"LinkConfig.{name}: {getattr(self, name)!r} is not one of "
+                                 f"{TRANSFER_DTYPES}")
 
     @classmethod
     def of(cls, config: Any) -> "LinkConfig":
@@ -63,3 +71,13 @@ class LinkConfig:
     @property
     def is_ffn(self) -> bool:
         return self.role == "ffn"
+
+    @property
+    def send_transfer(self) -> str:
+        """How this role's payloads travel to its peer."""
+        return self.transfer_to_ffn if self.is_attention else self.transfer_to_attention
+
+    @property
+    def receive_transfer(self) -> str:
+        """How its peer's payloads travel to this role."""
+        return self.transfer_to_attention if self.is_attention else self.transfer_to_ffn

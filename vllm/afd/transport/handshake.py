@@ -72,7 +72,10 @@ class HandshakeMixin:
                      max_tokens=self.max_tokens, connector=self.name,
                      fingerprint=self.fingerprint, routing_topk=self.routing_topk,
                      auth_nonce=auth_nonce, device_kind=self.device.type,
-                     transport=self._hello_transport())
+                     transport=self._hello_transport(),
+                     transfer_to_ffn=cfg.transfer_to_ffn,
+                     transfer_to_attention=cfg.transfer_to_attention,
+                     scale_group=max(self.send_scale_group, self.receive_scale_group))
 
     def _hello_problems(self, hello: Hello) -> list[str]:
         """Why the FFN must refuse this Hello (empty: accept)."""
@@ -83,7 +86,8 @@ class HandshakeMixin:
             problems.append(f"{field}: expected {expected!r}, received {received!r}")
 
         for field in ("protocol_version", "num_attention_ranks", "num_ffn_ranks",
-                      "hidden_size", "dtype", "connector", "routing_topk"):
+                      "hidden_size", "dtype", "connector", "routing_topk",
+                      "transfer_to_ffn", "transfer_to_attention", "scale_group"):
             if getattr(hello, field) != getattr(mine, field):
                 differ(field, getattr(mine, field), getattr(hello, field))
         if hello.role != "attention":

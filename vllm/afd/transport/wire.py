@@ -47,7 +47,10 @@ logger = logging.getLogger(__name__)
 #    fingerprint of vllm/afd/model/fingerprint.py in Hello.fingerprint.
 # 4: HelloConfirm; Hello.device_kind; transport data as the connector's own
 #    encoded struct (Hello.transport, HelloAck.transport).
-PROTOCOL_VERSION = 4
+# 5: transfer encodings (AFDConfig.transfer_dtype): Hello.transfer_to_ffn,
+#    Hello.transfer_to_attention, Hello.scale_group; LayerFrame.encoding and
+#    LayerFrame.scale_group; fp8 payloads laid out by PayloadLayout.
+PROTOCOL_VERSION = 5
 MAX_TRANSPORT_BYTES = 16 * 1024  # a connector's handshake data
 
 MAX_UBATCHES = 4  # AFDConfig.num_ubatches is 1..4
@@ -71,6 +74,19 @@ FINGERPRINT_UNAVAILABLE = "unavailable"
 ROUTING_ALIGN = 8
 ROUTING_WEIGHT_DTYPE = torch.float32
 ROUTING_ID_DTYPE = torch.int32
+
+# Transfer encodings, per direction (AFDConfig.transfer_dtype): "auto" sends
+# the hidden states exactly, in the model's dtype; "fp8" as float8 e4m3fn with
+# one float32 scale per FP8_SCALE_GROUP elements of a token (scale = the
+# group's largest |x| / 448), packed by the op library (vllm/afd/kernels).
+# On a frame: LayerFrame.encoding EXACT or FP8_E4M3, with its scale_group.
+TRANSFER_AUTO, TRANSFER_FP8 = "auto", "fp8"
+TRANSFER_DTYPES = (TRANSFER_AUTO, TRANSFER_FP8)
+EXACT, FP8_E4M3 = "exact", "fp8_e4m3"
+ENCODINGS = {TRANSFER_AUTO: EXACT, TRANSFER_FP8: FP8_E4M3}
+FP8_SCALE_GROUP = 128
+FP8_SCALE_DTYPE = torch.float32
+MAX_SCALE_GROUP = 1 << 20
 
 # Payload dtypes, by the names that travel in LayerFrame.dtype and Hello.dtype.
 DTYPES: dict[str, torch.dtype] = {
@@ -137,6 +153,11 @@ class Hello(Message, tag="hello"):
     # The connector's own handshake data (its encoded struct; see
     # connectors/base.py transport hooks).
     transport: Annotated[bytes, msgspec.Meta(max_length=MAX_TRANSPORT_BYTES)] = b""
+    # How hidden states travel to the FFN and outputs back (TRANSFER_DTYPES),
+    # and the elements per fp8 scale; both sides must agree.
+    transfer_to_ffn: Name = TRANSFER_AUTO
+    transfer_to_attention: Name = TRANSFER_AUTO
+    scale_group: Annotated[int, msgspec.Meta(ge=0, le=MAX_SCALE_GROUP)] = 0
 
 
 class AuthChallenge(Message, tag="auth_challenge"):
@@ -208,6 +229,10 @@ class LayerFrame(Message, tag="layer"):
     # > 0: the payload carries this many routed experts per token after the
     # hidden states (see ROUTING_ALIGN); only attention -> FFN, MoE layers.
     topk: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOPK)] = 0
+    # How the tensor of shape x dtype travels: EXACT, or FP8_E4M3 with one
+    # float32 scale per scale_group elements of a row (PayloadLayout).
+    encoding: Name = EXACT
+    scale_group: Annotated[int, msgspec.Meta(ge=0, le=MAX_SCALE_GROUP)] = 0
 
 
 class ErrorFrame(Message, tag="error"):
@@ -282,46 +307,80 @@ class Routing(NamedTuple):
     topk_ids: torch.Tensor  # ROUTING_ID_DTYPE [n, topk]
 
 
-def _routing_offset(hidden_nbytes: int) -> int:
-    return -(-hidden_nbytes // ROUTING_ALIGN) * ROUTING_ALIGN
+class PayloadLayout(NamedTuple):
+    """Byte offsets of one LayerFrame payload of [tokens, hidden] (csrc/pack.h
+    pack_layout is the same function; a test holds the two together):
+
+        [hidden]   tokens x hidden of dtype (exact), or of fp8 e4m3fn
+        [pad]      zeros up to ROUTING_ALIGN, when anything follows
+        [scales]   fp8 only: float32 [tokens, groups], groups = ceil(hidden / group)
+        [weights]  routing only: float32 [tokens, topk]
+        [ids]      routing only: int32 [tokens, topk]
+    """
+
+    hidden_nbytes: int
+    groups: int  # float32 scales per token (fp8), else 0
+    scales_offset: int
+    weights_offset: int
+    ids_offset: int
+    total: int
+
+    @classmethod
+    def of(cls, tokens: int, hidden: int, dtype: torch.dtype, group_size: int = 0,
+           topk: int = 0) -> "PayloadLayout":
+        fp8 = group_size > 0
+        hidden_nbytes = tokens * hidden * (1 if fp8 else dtype.itemsize)
+        groups = -(-hidden // group_size) if fp8 else 0
+        tail = groups * FP8_SCALE_DTYPE.itemsize + topk * (ROUTING_WEIGHT_DTYPE.itemsize
+                                                           + ROUTING_ID_DTYPE.itemsize)
+        scales = -(-hidden_nbytes // ROUTING_ALIGN) * ROUTING_ALIGN if tail else hidden_nbytes
+        weights = scales + tokens * groups * FP8_SCALE_DTYPE.itemsize
+        ids = weights + tokens * topk * ROUTING_WEIGHT_DTYPE.itemsize
+        return cls(hidden_nbytes, groups, scales, weights, ids,
+                   ids + tokens * topk * ROUTING_ID_DTYPE.itemsize)
 
 
-def frame_nbytes(dtype: torch.dtype, shape: Sequence[int], topk: int = 0) -> int:
-    """Payload bytes of a LayerFrame: the tensor, plus routing when topk > 0."""
-    nbytes = payload_nbytes(dtype, shape)
-    if topk == 0:
-        return nbytes
-    rows = shape[0] if shape else 0
-    return _routing_offset(nbytes) + rows * topk * (ROUTING_WEIGHT_DTYPE.itemsize
-                                                    + ROUTING_ID_DTYPE.itemsize)
+def frame_nbytes(dtype: torch.dtype, shape: Sequence[int], topk: int = 0,
+                 scale_group: int = 0) -> int:
+    """Payload bytes of a LayerFrame: the tensor (exact, or fp8 with scales
+    when scale_group > 0), plus routing when topk > 0."""
+    if topk == 0 and scale_group == 0:
+        return payload_nbytes(dtype, shape)
+    rows, hidden = shape
+    return PayloadLayout.of(rows, hidden, dtype, scale_group, topk).total
 
 
 def routed_parts(tensor: torch.Tensor, routing: Routing) -> list[torch.Tensor]:
-    """The pieces of a routed payload, to be sent back to back (no copy)."""
+    """The pieces of an exact routed payload, back to back (no copy)."""
     nbytes = tensor.numel() * tensor.element_size()
-    pad = _routing_offset(nbytes) - nbytes
+    pad = -(-nbytes // ROUTING_ALIGN) * ROUTING_ALIGN - nbytes
     parts = [tensor]
     if pad:
         parts.append(torch.zeros(pad, dtype=torch.uint8, device=tensor.device))
     return parts + [routing.topk_weights, routing.topk_ids]
 
 
+def routing_views(raw: torch.Tensor, layout: PayloadLayout, rows: int,
+                  topk: int) -> Routing:
+    """The routing of a received payload (a flat uint8 tensor laid out by
+    layout), as views."""
+    weights = raw[layout.weights_offset:layout.ids_offset].view(ROUTING_WEIGHT_DTYPE)
+    ids = raw[layout.ids_offset:layout.total].view(ROUTING_ID_DTYPE)
+    return Routing(weights.view(rows, topk), ids.view(rows, topk))
+
+
 def split_routed(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int],
                  topk: int) -> tuple[torch.Tensor, Routing]:
-    """Views of a received routed payload (a flat uint8 tensor of exactly
-    frame_nbytes(dtype, shape, topk) bytes, checked by check_frame)."""
-    nbytes = payload_nbytes(dtype, shape)
-    start = _routing_offset(nbytes)
-    n = shape[0]
-    mid = start + n * topk * ROUTING_WEIGHT_DTYPE.itemsize
-    end = mid + n * topk * ROUTING_ID_DTYPE.itemsize
-    if raw.numel() != end:
-        raise ProtocolError(f"routed payload length: expected {end} (shape {list(shape)} x "
-                            f"{dtype_name(dtype)}, topk {topk}), received {raw.numel()}")
-    tensor = raw[:nbytes].view(dtype).view(tuple(shape))
-    weights = raw[start:mid].view(ROUTING_WEIGHT_DTYPE).view(n, topk)
-    ids = raw[mid:end].view(ROUTING_ID_DTYPE).view(n, topk)
-    return tensor, Routing(weights, ids)
+    """Views of a received exact routed payload (a flat uint8 tensor of
+    exactly frame_nbytes(dtype, shape, topk) bytes, checked by check_frame)."""
+    n, hidden = shape
+    layout = PayloadLayout.of(n, hidden, dtype, 0, topk)
+    if raw.numel() != layout.total:
+        raise ProtocolError(f"routed payload length: expected {layout.total} (shape "
+                            f"{list(shape)} x {dtype_name(dtype)}, topk {topk}), received "
+                            f"{raw.numel()}")
+    tensor = raw[:layout.hidden_nbytes].view(dtype).view(tuple(shape))
+    return tensor, routing_views(raw, layout, n, topk)
 
 
 def check_step(header: StepHeader, *, num_ubatches: int, max_tokens: int,
@@ -350,6 +409,7 @@ def check_frame(frame: LayerFrame, *, step_id: int, layer_id: int, ubatch_id: in
                 expected_shape_tail: Sequence[int] | None = None,
                 expected_shape: Sequence[int] | None = None,
                 dtype: torch.dtype | None = None, routing_topk: int = 0,
+                encoding: str = EXACT, scale_group: int = 0,
                 context: object = "") -> torch.dtype:
     """Check a received LayerFrame against what the receiver expects next and
     return its torch dtype. Raises ProtocolError naming the field, the expected
@@ -357,7 +417,9 @@ def check_frame(frame: LayerFrame, *, step_id: int, layer_id: int, ubatch_id: in
     on error). nbytes is checked against shape, dtype and topk and against
     max_bytes, so it is safe to allocate or index with afterwards. topk must
     be 0 or routing_topk (a frame may carry routing only where the receiver
-    negotiated it; dense layers of a MoE model carry none)."""
+    negotiated it; dense layers of a MoE model carry none). encoding and
+    scale_group: what this direction negotiated (EXACT, or FP8_E4M3 with its
+    scale group)."""
     if frame.step_id != step_id:
         raise _mismatch("LayerFrame.step_id", step_id, frame.step_id, context)
     if frame.layer_id != layer_id:
@@ -385,14 +447,21 @@ def check_frame(frame: LayerFrame, *, step_id: int, layer_id: int, ubatch_id: in
     if frame.topk not in (0, routing_topk):
         raise _mismatch("LayerFrame.topk", "0" if routing_topk == 0 else
                         f"0 or {routing_topk}", frame.topk, context)
-    if frame.topk and len(shape) != 2:
-        raise _mismatch("LayerFrame.shape", "[num_tokens, hidden_size] (routed frame)",
+    if frame.encoding != encoding:
+        raise _mismatch("LayerFrame.encoding", encoding, repr(frame.encoding), context)
+    expected_group = scale_group if encoding == FP8_E4M3 else 0
+    if frame.scale_group != expected_group:
+        raise _mismatch("LayerFrame.scale_group", expected_group, frame.scale_group, context)
+    if (frame.topk or frame.scale_group) and len(shape) != 2:
+        raise _mismatch("LayerFrame.shape", "[num_tokens, hidden_size] (routed or fp8 frame)",
                         shape, context)
     # prod() of a hostile shape can be huge; Python ints do not overflow, and
     # the comparison below rejects it before anything is allocated.
-    nbytes = frame_nbytes(received_dtype, shape, frame.topk)
+    nbytes = frame_nbytes(received_dtype, shape, frame.topk, frame.scale_group)
     if frame.nbytes != nbytes:
         routed = f", topk {frame.topk}" if frame.topk else ""
+        if frame.scale_group:
+            routed += f", {frame.encoding}/{frame.scale_group}"
         raise _mismatch("LayerFrame.nbytes", f"{nbytes} (shape {shape} x {frame.dtype}"
                         f"{routed})", frame.nbytes, context)
     if nbytes > max_bytes:
@@ -401,15 +470,15 @@ def check_frame(frame: LayerFrame, *, step_id: int, layer_id: int, ubatch_id: in
 
 
 def layer_frame(tensor: torch.Tensor, *, step_id: int, layer_id: int,
-                ubatch_id: int, topk: int = 0) -> LayerFrame:
+                ubatch_id: int, topk: int = 0, scale_group: int = 0) -> LayerFrame:
     """The header describing tensor (and topk experts of routing per row, when
-    topk > 0) as the payload of (step, layer, ubatch)."""
+    topk > 0; as fp8 with one scale per scale_group elements, when > 0) as the
+    payload of (step, layer, ubatch)."""
     shape = list(tensor.shape)
-    nbytes = tensor.numel() * tensor.element_size()
-    if topk:
-        nbytes = frame_nbytes(tensor.dtype, shape, topk)
     return LayerFrame(step_id=step_id, layer_id=layer_id, ubatch_id=ubatch_id,
-                      dtype=dtype_name(tensor.dtype), shape=shape, nbytes=nbytes, topk=topk)
+                      dtype=dtype_name(tensor.dtype), shape=shape,
+                      nbytes=frame_nbytes(tensor.dtype, shape, topk, scale_group), topk=topk,
+                      encoding=FP8_E4M3 if scale_group else EXACT, scale_group=scale_group)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:

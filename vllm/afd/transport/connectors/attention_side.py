@@ -53,18 +53,18 @@ class AttentionSide:
         shape = [step.num_tokens[ubatch_id], self.hidden_size]
         self._check_local(h, shape, What("hidden states of layer {} ubatch {}", layer_id,
                                          ubatch_id))
-        payload: torch.Tensor | list[torch.Tensor] = h
         topk = 0
         if routing is not None:
             self._check_routing(routing, shape[0], What("routing of layer {} ubatch {}",
                                                         layer_id, ubatch_id))
             topk = self.routing_topk
-            payload = wire.routed_parts(h, routing)
         frame = wire.layer_frame(h, step_id=step.step_id, layer_id=layer_id,
-                                 ubatch_id=ubatch_id, topk=topk)
+                                 ubatch_id=ubatch_id, topk=topk,
+                                 scale_group=self.send_scale_group)
         # The FFN may overwrite this micro-batch's receive buffer once it has
         # these hidden states: the last output must have been copied out.
         self._release_received(0, ubatch_id)
+        payload = self._encode(0, ubatch_id, h, routing)  # codec.py
         self._send_message(0, frame, payload, what=What(
             "layer {} ubatch {} hidden states of step {}", layer_id, ubatch_id, step.step_id))
         if expect_output:

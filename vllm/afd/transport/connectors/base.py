@@ -61,6 +61,7 @@ import torch
 from vllm.afd.transport import wire
 from vllm.afd.transport.config import LinkConfig
 from vllm.afd.transport.connectors.attention_side import AttentionSide
+from vllm.afd.transport.connectors.codec import PayloadCodec
 from vllm.afd.transport.connectors.ffn_side import FFNSide
 from vllm.afd.transport.connectors.hooks import TransportHooks
 from vllm.afd.transport.device import DeviceOps
@@ -77,7 +78,7 @@ LOG_INTERVAL_S = 5.0
 FAREWELL_TIMEOUT_S = 1.0
 
 
-class AFDConnector(AttentionSide, FFNSide, HandshakeMixin, TransportHooks):
+class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, TransportHooks):
     def __init__(self, config: Any, *, hidden_size: int, dtype: torch.dtype,
                  max_tokens: int, rank: int = 0,
                  fingerprint: dict[str, str] | None = None, ffn_rank: int | None = None,
@@ -111,8 +112,9 @@ class AFDConnector(AttentionSide, FFNSide, HandshakeMixin, TransportHooks):
         self.routing_topk = routing_topk
         self.device = torch.device(device)
         self.ops = DeviceOps(self.device)
-        # The largest payload: a full micro-batch, with its routing if any.
-        self.max_bytes = wire.frame_nbytes(dtype, [max_tokens, hidden_size], routing_topk)
+        # Transfer encodings per direction; max_bytes, the largest payload (a
+        # full micro-batch, with its routing if any) in either (codec.py).
+        self._init_codec(config)
         self.timeout_s = config.timeout_s
         self.num_ubatches = config.num_ubatches
         self.fingerprint = dict(fingerprint or {})
@@ -324,22 +326,22 @@ class AFDConnector(AttentionSide, FFNSide, HandshakeMixin, TransportHooks):
         deadline = time.monotonic() + self.timeout_s
         frame = self._recv_checked(peer, LayerFrame, what, deadline)
         routing = None
+        group = self.receive_scale_group
         try:
             dtype = wire.check_frame(frame, step_id=step_id, layer_id=layer_id,
                                      ubatch_id=ubatch_id, max_bytes=self.max_bytes,
                                      expected_shape=shape, dtype=self.dtype,
                                      routing_topk=routing_topk,
+                                     encoding=wire.FP8_E4M3 if group else wire.EXACT,
+                                     scale_group=group,
                                      context=What("from {}, {}", self.peer_name(peer), what))
             announced = self._announced.get(peer, 0)
-            if frame.topk:
-                # The transports move bytes; the routed layout is ours to split.
+            if frame.topk or frame.scale_group:
+                # The transports move bytes; the payload layout is ours (codec.py).
                 raw_frame = msgspec.structs.replace(frame, dtype="uint8", shape=[frame.nbytes])
                 raw = self._receive_payload(peer, raw_frame, torch.uint8, announced, deadline,
                                             None)
-                tensor, routing = wire.split_routed(raw, dtype, frame.shape, frame.topk)
-                if out is not None:
-                    self.ops.copy(out, tensor)
-                    tensor = out
+                tensor, routing = self._decode(peer, frame, dtype, raw, out)
             else:
                 tensor = self._receive_payload(peer, frame, dtype, announced, deadline, out)
         except ProtocolError as e:

@@ -284,13 +284,23 @@ class ShmConnector(TcpConnector):
         except KeyError:
             raise LinkClosed("shared memory already released") from None
 
+    def _pack_target(self, peer: int, ubatch_id: int, nbytes: int,
+                     device: torch.device) -> torch.Tensor:
+        # A host payload is packed straight into the shared-memory slot (no
+        # second copy); a device one on its device first, then copied over.
+        if device.type != "cpu":
+            return super()._pack_target(peer, ubatch_id, nbytes, device)
+        return self._slots(self._tx, peer).slot(ubatch_id)[:nbytes]
+
     def _transmit(self, peer: int, header: bytes, frame: LayerFrame | None,
                   payload: "torch.Tensor | list[torch.Tensor] | None",
                   deadline: float) -> None:
         if payload is not None and frame.nbytes:
-            # A routed payload comes in parts (hidden states, padding, routing).
-            parts = payload if isinstance(payload, list) else [payload]
-            self._slots(self._tx, peer).write(frame.ubatch_id, parts, frame.nbytes)
+            slots = self._slots(self._tx, peer)
+            if not (isinstance(payload, torch.Tensor)
+                    and payload.data_ptr() == slots.slot(frame.ubatch_id).data_ptr()):
+                parts = payload if isinstance(payload, list) else [payload]
+                slots.write(frame.ubatch_id, parts, frame.nbytes)
             self.bytes_sent += frame.nbytes
         super()._transmit(peer, header, frame, None, deadline)
 

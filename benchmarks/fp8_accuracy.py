@@ -1,0 +1,163 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""What fp8 transfer (AFDConfig.transfer_dtype) does to greedy tokens, against plain vLLM.
+
+    python benchmarks/fp8_accuracy.py [--models DIR] [--model NAME ...]
+        [--max-tokens 64] [--num-prompts 8] [--check] [--out-dir benchmarks/results]
+
+For each model, in one process: the oracle's prompts through plain vLLM, then
+through AFD (both roles in this process, loopback connector) with every
+transfer setting of TRANSFERS; greedy decoding, ignore_eos. Per setting:
+token agreement (the fraction of positions where AFD's token equals plain
+vLLM's), prompts identical over all tokens, the mean position of the first
+differing token, and the largest |logprob difference| over the positions before
+each prompt's first difference (after it the two runs continue different
+texts). 'auto' must agree exactly. --check asserts every row against BOUNDS,
+the bounds the README's accuracy section states. Writes OUT/fp8_accuracy.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+TRANSFERS = {
+    "auto": "auto",
+    "fp8 to FFN": {"to_ffn": "fp8"},
+    "fp8 both ways": "fp8",
+}
+
+# The stated bounds, per model kind, for 64 greedy tokens x 8 prompts (fp32
+# tiny models with random weights: their logits are nearly flat, so a small
+# change of the hidden states flips a greedy choice far more easily than in a
+# trained model; the bench model is the same kind, larger). Measured values
+# are in benchmarks/results/fp8_accuracy.json and the README.
+BOUNDS = {
+    # transfer: (min token agreement, max |logprob diff| before the first difference)
+    "auto": (1.0, 1e-5),
+    "fp8 to FFN": (0.5, 0.25),
+    "fp8 both ways": (0.5, 0.25),
+}
+
+
+def compare(plain: list[dict], afd: list[dict]) -> dict:
+    tokens = agree = identical = 0
+    firsts, max_diff = [], 0.0
+    for p, a in zip(plain, afd, strict=True):
+        tp, ta = p["token_ids"], a["token_ids"]
+        first = next((i for i, (x, y) in enumerate(zip(tp, ta)) if x != y), len(tp))
+        firsts.append(first)
+        tokens += len(tp)
+        agree += sum(x == y for x, y in zip(tp, ta))
+        identical += first == len(tp)
+        for i in range(first):
+            max_diff = max(max_diff, abs(p["logprobs"][i] - a["logprobs"][i]))
+    return {"token_agreement": round(agree / tokens, 4), "identical_prompts": identical,
+            "prompts": len(plain), "mean_first_difference": round(sum(firsts) / len(firsts), 1),
+            "max_logprob_diff": max_diff}
+
+
+def measure(model: Path, max_tokens: int, num_prompts: int, port: int,
+            transfers: list[str]) -> dict:
+    """Plain vLLM and the first transfer setting in this process (an engine
+    process holds one AFD attention link: later settings run in a fresh one)."""
+    from oracle import attention_backend_for, run
+
+    common = dict(compile_model=False, max_tokens=max_tokens, num_prompts=num_prompts,
+                  dtype="float32", attention_backend=attention_backend_for(model))
+    plain = run(str(model), None, **common)["results"]
+    gc.collect()  # the plain engine goes now, not in the middle of the next run
+    rows = {}
+    for i, name in enumerate(transfers):
+        afd_config = json.dumps({"connector": "loopback", "port": port + i, "timeout_s": 60,
+                                 "transfer_dtype": TRANSFERS[name]})
+        if i == 0:
+            afd = run(str(model), afd_config, **common)["results"]
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "afd.json"
+                backend = common["attention_backend"]
+                subprocess.run([sys.executable, str(REPO / "tools" / "oracle.py"), str(model),
+                                "--out", str(out), "--afd-config", afd_config,
+                                "--max-tokens", str(max_tokens), "--num-prompts",
+                                str(num_prompts),
+                                *(["--attention-backend", backend] if backend else [])],
+                               check=True, capture_output=True)
+                afd = json.loads(out.read_text())["results"]
+        rows[name] = compare(plain, afd)
+    return rows
+
+
+def check(rows_by_model: dict) -> list[str]:
+    problems = []
+    for model, rows in rows_by_model.items():
+        for name, row in rows.items():
+            min_agree, max_diff = BOUNDS[name]
+            if row["token_agreement"] < min_agree or row["max_logprob_diff"] > max_diff:
+                problems.append(f"{model} / {name}: {row} outside the bounds (agreement >= "
+                                f"{min_agree}, logprob diff <= {max_diff})")
+    return problems
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", type=Path, default=REPO / "build" / "models")
+    ap.add_argument("--model", action="append", help="default: tiny-qwen3-moe, tiny-deepseek-v2")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--transfer", action="append", choices=list(TRANSFERS),
+                    help="default: all of them")
+    ap.add_argument("--port", type=int, default=17300)
+    ap.add_argument("--check", action="store_true", help="fail outside BOUNDS")
+    ap.add_argument("--out-dir", type=Path, default=None,
+                    help="write fp8_accuracy.json there (default: print only)")
+    args = ap.parse_args()
+    names = args.model or ["tiny-qwen3-moe", "tiny-deepseek-v2"]
+    transfers = args.transfer or list(TRANSFERS)
+    results = {}
+    for k, name in enumerate(names):
+        if len(names) == 1:
+            results[name] = measure(args.models / name, args.max_tokens, args.num_prompts,
+                                    args.port, transfers)
+            continue
+        # One model per process: an engine process holds one AFD attention link.
+        cmd = [sys.executable, __file__, "--models", str(args.models), "--model", name,
+               "--max-tokens", str(args.max_tokens), "--num-prompts", str(args.num_prompts),
+               "--port", str(args.port + 10 * k), *(f"--transfer={t}" for t in transfers)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            print(proc.stdout[-2000:] + proc.stderr[-4000:], file=sys.stderr)
+            raise SystemExit(f"fp8_accuracy: {name} failed (exit {proc.returncode})")
+        results[name] = json.loads(lines[-1][len("RESULT "):])["results"][name]
+    print(f"| model | transfer | token agreement | identical prompts | mean first "
+          f"difference | max logprob diff |\n|---|---|---|---|---|---|")
+    for name, rows in results.items():
+        for transfer, r in rows.items():
+            print(f"| {name} | {transfer} | {r['token_agreement']:.1%} | "
+                  f"{r['identical_prompts']}/{r['prompts']} | {r['mean_first_difference']} "
+                  f"of {args.max_tokens} | {r['max_logprob_diff']:.2g} |")
+    document = {"max_tokens": args.max_tokens, "num_prompts": args.num_prompts,
+                "host": platform.processor() or platform.machine(), "bounds": BOUNDS,
+                "results": results}
+    print("RESULT " + json.dumps(document))
+    if args.out_dir is not None:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / "fp8_accuracy.json").write_text(json.dumps(document, indent=1) + "\n")
+    problems = check(results) if args.check else []
+    for p in problems:
+        print("OUT OF BOUNDS: " + p, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
