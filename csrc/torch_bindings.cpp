@@ -104,6 +104,13 @@ TORCH_LIBRARY(afd, m) {
   m.def(
       "unpack(Tensor slot, int group_size, Tensor(a!) hidden, Tensor(b!)? topk_ids, "
       "Tensor(c!)? topk_weights) -> ()");
+  // The CPU pack/unpack kernels' instruction set (scalar, avx2, avx512),
+  // chosen on first use: the one in use, the ones this CPU runs (widest
+  // first), and a switch for tests and benchmarks (returns the previous one).
+  // VLLM_AFD_CPU_ISA forces the first choice.
+  m.def("cpu_isa() -> str");
+  m.def("cpu_isas() -> str[]");
+  m.def("set_cpu_isa(str isa) -> str");
 }
 
 // `import vllm.afd._C` loads this library (and with it the registrations

@@ -204,3 +204,122 @@ def test_fp8_conversion_is_torchs_bit_for_bit():
     mismatch = (got != expected).nonzero().view(-1)
     assert mismatch.numel() == 0, [(x.view(-1)[i].item(), got[i].item(), expected[i].item())
                                    for i in mismatch[:5]]
+
+
+# ------------------------------------------------------- every ISA, same bytes
+def special_values(dtype: torch.dtype) -> torch.Tensor:
+    """Values where a conversion goes wrong first, each group led by a value
+    that makes the group's scale 1 (so x / scale is x): fp8 ties and their
+    neighbours in every binade, the subnormal steps, the top of the range
+    (432, 440, 448 and the saturation just above), zeros of both signs,
+    subnormals of the compute dtype, and plain random data."""
+    g = torch.Generator().manual_seed(11)
+    fp8 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    ties = (fp8[:-1] + fp8[1:]) / 2
+    tiny = torch.finfo(dtype).tiny
+    body = torch.cat([
+        fp8, ties, ties.nextafter(torch.tensor(0.0)), ties.nextafter(torch.tensor(1e9)),
+        torch.arange(0, 2 ** 10).float() * 2.0 ** -16,
+        torch.tensor([447.99, 448.0, 448.0001, 0.0, tiny, tiny / 4, tiny * 3]),
+        torch.rand(2000, generator=g) * 448,
+        torch.randn(2000, generator=g) * 10,
+    ]).to(dtype).float()  # representable in the compute dtype
+    values = torch.cat([body, -body, torch.tensor([-0.0])])
+    per_group = GROUP - 1
+    groups = -(-values.numel() // per_group)
+    padded = torch.nn.functional.pad(values, (0, groups * per_group - values.numel()))
+    x = torch.cat([torch.full((groups, 1), 448.0), padded.view(groups, per_group)], dim=1)
+    return x.reshape(-1, 2 * GROUP if groups % 2 == 0 else GROUP).to(dtype)
+
+
+def isa_cases():
+    g = torch.Generator().manual_seed(5)
+    for dtype in DTYPES:
+        yield f"special-{dtype}", special_values(dtype)
+        # Rows of every magnitude (scales from subnormal to huge) and widths
+        # that leave partial vectors, in one group and across groups.
+        for tokens, hidden in [(6, 1000), (3, 7), (2, 129), (5, 4096)]:
+            mag = torch.logspace(-40, 30, tokens)[:, None]
+            yield f"random-{dtype}-{tokens}x{hidden}", (
+                torch.randn(tokens, hidden, generator=g) * mag).to(dtype)
+
+
+@pytest.fixture
+def restore_isa():
+    previous = ops.cpu_isa()
+    yield
+    ops.set_cpu_isa(previous)
+
+
+def test_cpu_isa_is_reported_and_switchable(restore_isa):
+    isas = ops.cpu_isas()
+    assert isas[-1] == "scalar" and set(isas) <= {"avx512", "avx2", "scalar"}
+    assert ops.cpu_isa() in isas
+    for isa in isas:
+        ops.set_cpu_isa(isa)
+        assert ops.cpu_isa() == isa
+    with pytest.raises(RuntimeError, match="not one this CPU runs"):
+        ops.set_cpu_isa("sse9")
+
+
+@pytest.mark.parametrize("group", [GROUP, 64, 13])
+def test_every_isa_packs_and_unpacks_the_scalar_bytes(group, restore_isa):
+    """Each vectorized ISA this CPU runs against the scalar kernels, on the
+    special values (ties, subnormals, +-448, zeros) and random data; pack's
+    bytes and scales, and unpack's output, bit for bit."""
+    isas = ops.cpu_isas()
+    cases = list(isa_cases())
+    results = {}
+    for isa in isas:
+        ops.set_cpu_isa(isa)
+        for name, x in cases:
+            layout = PackLayout.of(*x.shape, x.dtype, group)
+            slot = ops.pack(x, new_slot(layout), group)
+            out = ops.unpack(slot, torch.empty_like(x), group)
+            results[isa, name] = slot, out.view(torch.uint8)
+    for isa in isas[:-1]:
+        for name, _ in cases:
+            (slot, out), (ref_slot, ref_out) = results[isa, name], results["scalar", name]
+            assert torch.equal(slot, ref_slot), (isa, name, (slot != ref_slot).nonzero()[:5])
+            assert torch.equal(out, ref_out), (isa, name, (out != ref_out).nonzero()[:5])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_isa_unpacks_every_byte_as_torch(dtype, restore_isa):
+    """All 256 fp8 bytes (NaN included) under scales small, 1, large and
+    beyond 2^7 (the vector kernels' two multiplication paths)."""
+    q = torch.arange(256, dtype=torch.uint8).repeat(8)
+    for scale in (1.0, 3e-30, 0.37, 2.0 ** 7, 5e3, 1e30):
+        x = torch.empty(8, 256, dtype=dtype)
+        layout = PackLayout.of(8, 256, dtype, GROUP)
+        slot = torch.cat([q, torch.full((8 * 2,), scale).view(torch.uint8)])
+        assert slot.numel() == layout.total
+        ref = (q.view(torch.float8_e4m3fn).float() * scale).to(dtype).view(8, 256)
+        for isa in ops.cpu_isas():
+            ops.set_cpu_isa(isa)
+            out = ops.unpack(slot, x.clone(), GROUP)
+            finite = ~ref.isnan()
+            assert torch.equal(out[finite], ref[finite]), (isa, scale)
+            assert torch.equal(out.isnan(), ref.isnan()), (isa, scale)
+
+
+def test_vllm_afd_cpu_isa_forces_the_first_choice():
+    """VLLM_AFD_CPU_ISA picks the kernels at load, and a name this CPU does
+    not run is an error, not a crash (a subprocess that loads only torch and
+    the op library, a couple of seconds)."""
+    import os
+    import subprocess
+    import sys
+
+    ops.load()
+    library = sys.modules["vllm.afd._C"].__file__
+    code = ("import sys, torch; torch.ops.load_library(sys.argv[1]); "
+            "x = torch.ones(2, 8); slot = torch.empty(24, dtype=torch.uint8)\n"
+            "try:\n    torch.ops.afd.pack(x, None, None, 8, slot); print(torch.ops.afd.cpu_isa())\n"
+            "except RuntimeError as e:\n    print('error:', e)")
+    for forced, expected in [("scalar", "scalar"), ("sse9", "error: VLLM_AFD_CPU_ISA")]:
+        env = {**os.environ, "VLLM_AFD_CPU_ISA": forced}
+        run = subprocess.run([sys.executable, "-c", code, library], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and run.stdout.startswith(expected), (
+            run.stdout[-500:], run.stderr[-2000:])

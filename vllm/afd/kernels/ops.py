@@ -50,6 +50,27 @@ def _register_fakes() -> None:
         return None
 
 
+def cpu_isa() -> str:
+    """The instruction set of the CPU pack/unpack kernels: "avx512", "avx2" or
+    "scalar" (chosen on first use: the widest this CPU runs, or the one
+    VLLM_AFD_CPU_ISA names). Every ISA writes the same bytes."""
+    load()
+    return torch.ops.afd.cpu_isa()
+
+
+def cpu_isas() -> list[str]:
+    """The ISAs this CPU runs, widest first ("scalar" always last)."""
+    load()
+    return list(torch.ops.afd.cpu_isas())
+
+
+def set_cpu_isa(isa: str) -> str:
+    """Switch the CPU pack/unpack kernels to `isa` (one of cpu_isas()) for this
+    process; returns the previous one. For tests and benchmarks."""
+    load()
+    return torch.ops.afd.set_cpu_isa(isa)
+
+
 def gather_rows(src: torch.Tensor, index: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """out[i] = src[index[i]]; rows are moved as raw bytes (any dtype)."""
