@@ -3,14 +3,15 @@
 """The afd op library's pack/unpack on this CPU, against a memcpy of the same bytes.
 
     python benchmarks/kernels.py [--hidden 2048,7168] [--tokens 1,16,128,1024]
-        [--threads 1] [--out-dir benchmarks/results]
+        [--threads 1] [--isa avx512|avx2|scalar] [--out-dir benchmarks/results]
 
 For each hidden size, token count and compute dtype: the median time of
 afd::pack and afd::unpack, exact and fp8 (e4m3, a fp32 scale per 128
 elements), and of a memcpy of the hidden states' bytes (`Tensor.copy_` between
 two preallocated buffers) measured in the same run; the op's speed as a
 fraction of that memcpy (the issue's target: >= 50 % for pack and unpack); and
-the bytes per token per layer each format puts on the wire.
+the bytes per token per layer each format puts on the wire. The CPU kernels'
+instruction set (the library's choice, or --isa) is printed and recorded.
 Writes OUT/kernels.json.
 """
 
@@ -72,13 +73,20 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,16,128,1024")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (the attention side of `make bench` has 1 core)")
+    ap.add_argument("--isa", default=None,
+                    help="force the CPU kernels' ISA (default: the library's choice)")
     ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from vllm.afd.kernels import ops
+    if args.isa:
+        ops.set_cpu_isa(args.isa)
+    isa = ops.cpu_isa()
     rows = [measure(t, h, d) for h in map(int, args.hidden.split(","))
             for d in DTYPES.values() for t in map(int, args.tokens.split(","))]
     print(f"afd pack/unpack vs memcpy, {args.threads} thread(s), "
-          f"{platform.processor() or platform.machine()}")
+          f"{platform.processor() or platform.machine()}, kernels: {isa} "
+          f"(this CPU runs {', '.join(ops.cpu_isas())})")
     print(f"{'H':>5} {'dtype':>8} {'T':>5} {'memcpy':>9} {'GB/s':>6} | "
           f"{'pack':>7} {'unpack':>7} exact | {'pack':>7} {'unpack':>7} fp8 | wire B/token")
     for r in rows:
@@ -90,7 +98,7 @@ def main() -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     result = {"benchmark": "kernels", "threads": args.threads, "cpu_count": os.cpu_count(),
               "python": sys.version.split()[0], "torch": torch.__version__,
-              "group_size": GROUP, "rows": rows}
+              "group_size": GROUP, "cpu_isa": isa, "cpu_isas": ops.cpu_isas(), "rows": rows}
     path = args.out_dir / "kernels.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"[kernels] wrote {path}")
