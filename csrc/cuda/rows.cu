@@ -4,9 +4,13 @@
 // CUDA kernels for afd::gather_rows / afd::scatter_rows. Built only where a
 // CUDA toolchain and a CUDA build of torch exist; checked on a lent GPU.
 #include <ATen/Dispatch.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
+
+#include <cstdint>
 
 #include "../ops.h"
 
@@ -41,7 +45,7 @@ void move_rows_cuda(const at::Tensor& src, const at::Tensor& index,
   const int64_t row_bytes = check_rows_args(src, index, out, kGather);
   const int64_t rows = index.numel();
   if (rows == 0 || row_bytes == 0) return;
-  const at::cuda::OptionalCUDAGuard guard(src.device());
+  const c10::cuda::OptionalCUDAGuard guard(src.device());
   const at::Tensor idx = index.contiguous();
   const int64_t limit = kGather ? src.size(0) : out.size(0);
   const char* s = static_cast<const char*>(src.data_ptr());
@@ -51,7 +55,9 @@ void move_rows_cuda(const at::Tensor& src, const at::Tensor& index,
                     reinterpret_cast<uintptr_t>(o) % 16 == 0;
   const dim3 grid(static_cast<unsigned>(rows));
   const dim3 block(256);
-  auto stream = at::cuda::getCurrentCUDAStream();
+  // c10::cuda's current stream is what at::cuda::getCurrentCUDAStream returns;
+  // ATen/cuda/CUDAContext.h would pull in the cuBLAS/cuSPARSE/cuSOLVER headers.
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(src.device().index());
   at::Tensor claimed;
   if (!kGather) claimed = at::zeros({limit}, src.options().dtype(at::kInt));
   int* claimed_ptr = kGather ? nullptr : claimed.data_ptr<int>();
