@@ -17,14 +17,25 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 AFD_SOURCES := $(shell git ls-files vllm/afd csrc patches) setup.py pyproject.toml upstream.toml \
 	tools/vendor.py tools/series.py tools/upstream.py
 WHEEL_STAMP := build/.installed-$(FLAVOR)
+CUDA_WHEEL_STAMP := build/.cuda-wheel
 
-.PHONY: demo test bench bench-kernels soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
+.PHONY: demo test cuda-wheel bench bench-kernels soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
 
 demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
 
-test: $(WHEEL_STAMP) models
+test: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP)
 	$(VENV)/bin/pytest -q --durations=25
+
+# The cuda flavor's wheel with its CUDA kernels (sm_80, sm_90), compiled here
+# without a GPU by the pinned toolchain (tools/cuda_toolchain.toml), once per
+# change of the sources or pins; tests/packaging/test_cuda_wheel.py inspects it.
+# Without the toolchain (no network) the wheel is built without kernels, the
+# stamp is not written and the kernel test says why it skips.
+cuda-wheel: $(CUDA_WHEEL_STAMP)
+$(CUDA_WHEEL_STAMP): $(VENV)/.stamp $(AFD_SOURCES) tools/cuda_toolchain.py \
+		tools/cuda_toolchain.toml tools/cuda_wheel.py
+	$(PY) tools/cuda_wheel.py --stamp $@ >/dev/null
 
 # AFD (1 attention core : 1 FFN core) against plain vLLM (both cores) on the bench
 # MoE model; ARGS=--quick for a short run. Results in benchmarks/results/.

@@ -9,7 +9,9 @@ vendors vllm/ first (tools/vendor.py, strict: hand edits that no patch records
 stop the build), ships every upstream file including the base's native libraries
 (each one checked against the pinned wheel), and compiles vllm/afd/_C from csrc/:
 CPU kernels always, CUDA kernels where nvcc and a CUDA torch exist
-(VLLM_AFD_BUILD_CUDA=0 turns them off), Ascend kernels where CANN and torch_npu exist.
+(VLLM_AFD_BUILD_CUDA=0 turns them off) or, for the cuda flavor, with the pinned
+toolchain that VLLM_AFD_CUDA_TOOLCHAIN names (tools/cuda_toolchain.py prints it),
+Ascend kernels where CANN and torch_npu exist.
 """
 
 import configparser
@@ -115,9 +117,31 @@ def extensions():
         extra_compile_args={"cxx": ["-O3", "-std=c++17"]},
     )
     build_cuda = os.environ.get("VLLM_AFD_BUILD_CUDA", "1") != "0"
-    if build_cuda and torch.version.cuda is not None and CUDA_HOME is not None:
+    toolchain = os.environ.get("VLLM_AFD_CUDA_TOOLCHAIN")
+    if build_cuda and toolchain and FLAVOR != "cuda":
+        print(f"[vllm-afd] VLLM_AFD_CUDA_TOOLCHAIN ignored: flavor {FLAVOR}", file=sys.stderr)
+    elif build_cuda and toolchain:
+        # tools/cuda_toolchain.py: nvcc from NVIDIA's wheels and the headers and
+        # libraries of the CUDA torch, while the venv (which runs this script)
+        # keeps its CPU torch. cpp_extension found no CUDA_HOME for a CPU torch;
+        # it is the one global it reads to find nvcc and the CUDA headers.
+        import torch.utils.cpp_extension as cpp_extension
+        from cuda_toolchain import load as load_toolchain
+
+        tc = load_toolchain(Path(toolchain))
+        cpp_extension.CUDA_HOME = str(tc.cuda_home)
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
-        kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-std=c++17"]
+        # Ahead of the CPU torch's own directories, which CUDAExtension appends.
+        kwargs.update(include_dirs=[str(p) for p in tc.torch_include],
+                      library_dirs=[str(tc.torch_lib), str(tc.cuda_home / "lib")])
+        kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-std=c++20", *tc.gencode_flags()]
+        print(f"[vllm-afd] building CUDA kernels with {tc.root} ({' '.join(tc.gencode_flags())})",
+              file=sys.stderr)
+        return [CUDAExtension("vllm.afd._C", sources, **kwargs)]
+    elif build_cuda and torch.version.cuda is not None and CUDA_HOME is not None:
+        sources += sorted(glob.glob("csrc/cuda/*.cu"))
+        # torch 2.13's headers use C++20 features (nvcc warns under C++17).
+        kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-std=c++20"]
         print("[vllm-afd] building CUDA kernels", file=sys.stderr)
         return [CUDAExtension("vllm.afd._C", sources, **kwargs)]
     if os.environ.get("ASCEND_HOME_PATH"):
