@@ -75,7 +75,7 @@ def test_gpu_check_passes_on_cpu(data_plane_tree, kernel_paths):
     passed = {name for name, c in report.items() if c["status"] == "pass"}
     assert passed == {"imports", "kernels", "harness-loopback", "harness-shm", "harness-tcp",
                       "harness-shm-routed", "dummy-runs", "threads", "ffn-errors"}, report
-    for name in ("stream-order", "graphs"):
+    for name in ("kernels-pack", "stream-order", "graphs"):
         assert report[name]["status"] == "skip" and "CUDA" in report[name]["detail"]
     for name in ("harness-loopback", "harness-shm", "harness-tcp"):
         assert "m=4" in report[name]["detail"]

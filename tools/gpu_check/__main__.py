@@ -25,6 +25,10 @@ Checks (each passes, fails, or is skipped with the reason):
   kernels       the `afd` op library built against the local torch (CUDA:
                 with csrc/cuda), gather/scatter against torch, a repeated
                 scatter index refused
+  kernels-pack  (CUDA) afd::pack / afd::unpack on the device byte for byte the
+                CPU kernels' slot and tensors (exact and fp8, with and without
+                routing, fp32/bf16/fp16, odd widths, unaligned slots), and their
+                bandwidth as a fraction of a device-to-device copy of the same bytes
   harness-*     a reference MoE decoder split the AFD way: both roles through
                 the real data plane (loopback in one process; shm and tcp as
                 two processes on one device), micro-batches m = 1..4 ping-ponged,
@@ -143,6 +147,88 @@ def check_kernels(args) -> str:
                                timeout=120)
         assert child.returncode != 0, "a repeated scatter index was accepted on the device"
     return f"gather/scatter match torch on {device} (fp32, bf16, int8); repeats refused"
+
+
+def check_kernels_pack(args) -> str:
+    """pack/unpack on the GPU against the CPU kernels (the reference): the same
+    slot bytes and the same unpacked tensors. Needs the library `kernels` built."""
+    if args.device != "cuda":
+        raise Skip("the CUDA pack/unpack kernels need --device cuda")
+    from vllm.afd.kernels import ops
+
+    if not hasattr(torch.ops.afd, "pack"):
+        raise Skip("the op library is not loaded (run the `kernels` check first)")
+    g = torch.Generator().manual_seed(1)
+    cases = 0
+    # (tokens, hidden, group_size, topk): vectorized widths, odd ones (scalar
+    # path), a short last group, one token, none.
+    shapes = [(1, 128, 128, 0), (7, 4096, 128, 8), (33, 1000, 128, 4), (5, 77, 13, 2),
+              (256, 7168, 128, 8), (0, 128, 128, 4), (3, 64, 0, 0), (9, 130, 0, 6)]
+    for tokens, width, group, topk in shapes:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for ids_dtype in ((torch.int32, torch.int64) if topk else (None,)):
+                x = torch.randn(tokens, width, generator=g) * 3
+                if tokens:
+                    x[0, : min(width, group or width)] = 0  # an all-zero group: scale 1
+                    x[-1, -1] = 1e4  # beyond 448 before scaling
+                x = x.to(dtype)
+                ids = (torch.randint(0, 256, (tokens, topk), generator=g).to(ids_dtype)
+                       if topk else None)
+                w = torch.rand(tokens, topk, generator=g) if topk else None
+                n = ops.PackLayout.of(tokens, width, dtype, group, topk).total
+                for offset in (0, 4):  # a slot inside a larger buffer, 4-byte aligned
+                    ref = ops.pack(x, torch.empty(n, dtype=torch.uint8), group, ids, w)
+                    buf = torch.full((n + offset,), 0xAB, dtype=torch.uint8, device="cuda")
+                    slot = buf[offset:]
+                    ops.pack(x.cuda(), slot, group, None if ids is None else ids.cuda(),
+                             None if w is None else w.cuda())
+                    assert torch.equal(slot.cpu(), ref), (tokens, width, group, topk, dtype)
+                    h_ref = torch.empty_like(x)
+                    ids_ref = None if ids is None else torch.empty_like(ids)
+                    w_ref = None if w is None else torch.empty_like(w)
+                    ops.unpack(ref, h_ref, group, ids_ref, w_ref)
+                    h = torch.empty_like(x, device="cuda")
+                    ids_d = None if ids is None else torch.empty_like(ids, device="cuda")
+                    w_d = None if w is None else torch.empty_like(w, device="cuda")
+                    ops.unpack(slot, h, group, ids_d, w_d)
+                    assert torch.equal(h.cpu().view(torch.uint8), h_ref.view(torch.uint8)), (
+                        "unpack", tokens, width, group, dtype)
+                    if topk:
+                        assert torch.equal(ids_d.cpu(), ids_ref) and torch.equal(w_d.cpu(), w_ref)
+                    cases += 1
+    # Bandwidth: each op against a device-to-device copy of the bytes it moves
+    # (what it reads plus what it writes, halved: a copy reads and writes each byte).
+    lines = []
+    for dtype, group in ((torch.bfloat16, 0), (torch.bfloat16, 128), (torch.float32, 128)):
+        tokens, width, topk = 4096, 7168, 8
+        x = torch.randn(tokens, width, device="cuda").to(dtype)
+        ids = torch.randint(0, 256, (tokens, topk), device="cuda", dtype=torch.int32)
+        w = torch.rand(tokens, topk, device="cuda")
+        slot = torch.empty(ops.PackLayout.of(tokens, width, dtype, group, topk).total,
+                           dtype=torch.uint8, device="cuda")
+        moved = (x.numel() * x.element_size() + slot.numel() + ids.numel() * 8) // 2
+        src = torch.empty(moved, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+
+        def timed(fn, reps=20) -> float:
+            fn()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / reps
+
+        copy_ms = timed(lambda: dst.copy_(src))
+        pack_ms = timed(lambda: ops.pack(x, slot, group, ids, w))
+        unpack_ms = timed(lambda: ops.unpack(slot, x, group, ids, w))
+        gbs = moved / copy_ms / 1e6
+        kind = "exact" if group == 0 else "fp8"
+        lines.append(f"{kind} {str(dtype)[6:]}: pack {copy_ms / pack_ms:.0%}, "
+                     f"unpack {copy_ms / unpack_ms:.0%} of a {gbs:.0f} GB/s copy")
+    return f"{cases} cases equal to the CPU kernels; " + "; ".join(lines)
 
 
 def _harness(args, connector: str, gate_on_attention: bool = False) -> str:
@@ -384,6 +470,7 @@ def check_graphs(args) -> str:
 CHECKS = {
     "imports": check_imports,
     "kernels": check_kernels,
+    "kernels-pack": check_kernels_pack,
     "harness-loopback": lambda a: _harness(a, "loopback"),
     "harness-shm": lambda a: _harness(a, "shm"),
     "harness-tcp": lambda a: _harness(a, "tcp"),
