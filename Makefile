@@ -19,7 +19,7 @@ AFD_SOURCES := $(shell git ls-files vllm/afd csrc patches) setup.py pyproject.to
 WHEEL_STAMP := build/.installed-$(FLAVOR)
 CUDA_WHEEL_STAMP := build/.cuda-wheel
 
-.PHONY: demo test cuda-wheel bench bench-kernels soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
+.PHONY: demo test cuda-wheel bench bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
 
 demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
@@ -50,6 +50,16 @@ bench: $(WHEEL_STAMP)
 # one thread; ARGS=--threads 2, --hidden 7168, ... Results in benchmarks/results/kernels.json.
 bench-kernels: $(WHEEL_STAMP)
 	$(PY) benchmarks/kernels.py $(ARGS)
+
+# What fp8 transfer does to greedy tokens: plain vLLM against AFD (transfer_dtype
+# auto, fp8 to the FFN, fp8 both ways), 64 tokens x 8 prompts, the tiny models and
+# the bench model. Results in benchmarks/results/fp8_accuracy.json.
+bench-accuracy: $(WHEEL_STAMP) models
+	$(PY) tools/make_tiny_models.py --out $(MODELS) --models bench-qwen3-moe
+	$(PY) benchmarks/fp8_accuracy.py --models $(MODELS) --model tiny-qwen3-moe \
+		--model tiny-deepseek-v2 --model tiny-deepseek-v3 --out-dir benchmarks/results --check
+	$(PY) benchmarks/fp8_accuracy.py --models $(MODELS) --model bench-qwen3-moe \
+		--out-dir benchmarks/results --check $(ARGS)
 
 # Soak: 4 clients against an FFN server and an attention server for 10 minutes;
 # ARGS=--quick (1 minute), ARGS="--minutes 3 --clients 8", ... Fails on any error

@@ -11,7 +11,8 @@ runs in its own subprocess, in eager mode:
   plain vLLM   one in-process LLM on cores 0-1 (VLLM_CPU_OMP_THREADS_BIND=0-1)
   AFD, m       `vllm serve --afd-role ffn` on core 1 (one server, num_ubatches=3,
                serves every m <= 3) and an attention-role LLM on core 0 with
-               num_ubatches=m, linked by the shm connector
+               num_ubatches=m, linked by the shm connector (--connector tcp),
+               hidden states exact (--transfer-dtype fp8 / fp8-to-ffn)
 
 For each batch size B: B distinct 16-token prompts, greedy, ignore_eos. t(N) is
 the time of a generate() with max_tokens=N, t(1) of one with max_tokens=1 (the
@@ -23,10 +24,11 @@ Per decode step the link statistics of both roles (vllm/afd/observability/stats.
 and after each run; decode = N run minus 1 run) split the step: attention
 compute inside the link window, attention work outside it (scheduling,
 embedding, sampling), attention blocked on the link, FFN compute, FFN idle;
-plus the transfer floor, an echo round trip of the same tensors through the shm
-connector measured here, and what is left: idle and overhead.
+plus the transfer floor, an echo round trip of the same tensors through the same
+connector and transfer dtype measured here, and what is left: idle and overhead.
 
-Writes OUT_DIR/afd_vs_colocated.json and, with matplotlib, .png.
+Writes OUT_DIR/afd_vs_colocated.json and, with matplotlib, .png (with another
+connector or transfer dtype: afd_vs_colocated-tcp-fp8.json, ...).
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="default: %(default)s")
     ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks/results",
                     help="JSON, PNG and logs/ (default: %(default)s)")
+    ap.add_argument("--connector", choices=["shm", "tcp"], default="shm",
+                    help="the AFD link (default: %(default)s)")
+    ap.add_argument("--transfer-dtype", choices=["auto", "fp8", "fp8-to-ffn"], default="auto",
+                    help="AFDConfig.transfer_dtype: auto (exact), fp8 (both ways), fp8-to-ffn "
+                         "(fp8 hidden states, exact outputs); default: %(default)s")
     ap.add_argument("--worker", choices=["llm", "floor"], help=argparse.SUPPRESS)
     ap.add_argument("--afd-config", help=argparse.SUPPRESS)
     ap.add_argument("--ffn-url", help=argparse.SUPPRESS)
@@ -131,7 +138,8 @@ def run_worker(args: argparse.Namespace, kind: str, name: str, cores: str,
            "--batch-sizes", ",".join(map(str, args.batch_sizes)),
            "--ubatches", ",".join(map(str, args.ubatches)),
            "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
-           "--cores", cores, *(extra or [])]
+           "--cores", cores, "--connector", args.connector,
+           "--transfer-dtype", args.transfer_dtype, *(extra or [])]
     print(f"[bench] {name}: cores {cores}, log {log_path}", flush=True)
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
@@ -157,9 +165,24 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def transfer_dtype(args: argparse.Namespace) -> "str | dict[str, str]":
+    return {"to_ffn": "fp8"} if args.transfer_dtype == "fp8-to-ffn" else args.transfer_dtype
+
+
+def link_config(args: argparse.Namespace, port: int, num_ubatches: int) -> dict:
+    return {"connector": args.connector, "port": port, "num_ubatches": num_ubatches,
+            "timeout_s": 120, "transfer_dtype": transfer_dtype(args)}
+
+
+def result_name(args: argparse.Namespace) -> str:
+    """afd_vs_colocated, or with the link's settings when not the defaults."""
+    parts = [NAME] + ([args.connector] if args.connector != "shm" else []) + (
+        [args.transfer_dtype] if args.transfer_dtype != "auto" else [])
+    return "-".join(parts)
+
+
 def ffn_server(args: argparse.Namespace, afd_port: int) -> Server:
-    afd = {"connector": "shm", "port": afd_port, "num_ubatches": FFN_UBATCHES,
-           "timeout_s": 120}
+    afd = link_config(args, afd_port, FFN_UBATCHES)
     cli = ["--max-model-len", "512", "--max-num-batched-tokens", "2048",
            "--max-num-seqs", "64", "--enforce-eager",
            "--afd-role", "ffn", "--afd-config", json.dumps(afd)]
@@ -190,7 +213,7 @@ def run_afd(args: argparse.Namespace) -> dict[int, dict]:
         print(f"[bench] FFN server ready in {server.wait_ready(600):.0f}s "
               f"(cpus {allowed_cpus(server.proc.pid)})", flush=True)
         for m in args.ubatches:
-            afd = {"connector": "shm", "port": afd_port, "num_ubatches": m, "timeout_s": 120}
+            afd = link_config(args, afd_port, m)
             runs[m] = run_worker(args, "llm", f"afd-m{m}", ATTENTION_CORES,
                                  ["--afd-config", json.dumps(afd), "--ffn-url", server.url])
     finally:
@@ -226,11 +249,11 @@ def main_bench(args: argparse.Namespace) -> int:
     results = summarize(args, plain, afd, floor)
     results["bench_wall_s"] = round(time.monotonic() - t0, 1)
     results["machine"]["load_average_1m_at_start"] = load
-    out = args.out_dir / f"{NAME}.json"
+    out = args.out_dir / f"{result_name(args)}.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
     print_tables(results)
     print(f"\n[bench] wrote {out}")
-    plot(results, args.out_dir / f"{NAME}.png")
+    plot(results, args.out_dir / f"{result_name(args)}.png")
     return 0
 
 
@@ -254,7 +277,8 @@ def summarize(args: argparse.Namespace, plain: dict, afd: dict[int, dict], floor
         "model": {"path": str(args.model), **model_facts(args.model)},
         "settings": {"max_tokens_N": n, "prompt_tokens": PROMPT_TOKENS,
                      "repeats": args.repeats, "batch_sizes": args.batch_sizes,
-                     "ubatches": args.ubatches, "connector": "shm",
+                     "ubatches": args.ubatches, "connector": args.connector,
+                     "transfer_dtype": transfer_dtype(args),
                      "ffn_server_num_ubatches": FFN_UBATCHES, **ENGINE_ARGS},
         "plain": {"engine": plain["engine"], "batches": plain_by_b},
         "afd": configs, "transfer_floor": floor,
@@ -569,8 +593,9 @@ def floor_for_m(m: int, args: argparse.Namespace, hidden: int, num_layers: int) 
     from vllm.afd.transport.connectors.base import create_connector
 
     dtype, port = getattr(torch, args.dtype), free_port()
-    conns = {role: create_connector(AFDConfig(role=role, connector="shm", port=port,
-                                              num_ubatches=m, timeout_s=60),
+    conns = {role: create_connector(AFDConfig(role=role, connector=args.connector, port=port,
+                                              num_ubatches=m, timeout_s=60,
+                                              transfer_dtype=transfer_dtype(args)),
                                     hidden_size=hidden, dtype=dtype,
                                     max_tokens=max(args.batch_sizes))
              for role in ("ffn", "attention")}
@@ -595,7 +620,8 @@ def floor_for_m(m: int, args: argparse.Namespace, hidden: int, num_layers: int) 
 
 def worker_floor(args: argparse.Namespace) -> dict:
     """Transfer floor per m and B: attention side on the attention core, echo
-    FFN thread on the FFN core, shm connector, no compute."""
+    FFN thread on the FFN core, the bench's connector and transfer dtype, no
+    compute."""
     import torch
 
     torch.set_num_threads(1)

@@ -74,7 +74,8 @@ def test_gpu_check_passes_on_cpu(data_plane_tree, kernel_paths):
     report = json.loads(report_path.read_text())["checks"]
     passed = {name for name, c in report.items() if c["status"] == "pass"}
     assert passed == {"imports", "kernels", "harness-loopback", "harness-shm", "harness-tcp",
-                      "harness-shm-routed", "dummy-runs", "threads", "ffn-errors"}, report
+                      "harness-shm-routed", "harness-shm-fp8", "dummy-runs", "threads",
+                      "ffn-errors"}, report
     for name in ("kernels-pack", "stream-order", "graphs"):
         assert report[name]["status"] == "skip" and "CUDA" in report[name]["detail"]
     for name in ("harness-loopback", "harness-shm", "harness-tcp"):

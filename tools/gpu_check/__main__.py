@@ -231,22 +231,27 @@ def check_kernels_pack(args) -> str:
     return f"{cases} cases equal to the CPU kernels; " + "; ".join(lines)
 
 
-def _harness(args, connector: str, gate_on_attention: bool = False) -> str:
+def _harness(args, connector: str, gate_on_attention: bool = False,
+             transfer: str = "auto") -> str:
+    """transfer "fp8": the whole model with fp8 hidden states and outputs on
+    the link, against the reference that quantizes the same way in plain torch."""
+    from model import fp8_round_trip
     from roles import AttentionRole, FFNProcess, FFNRole, free_port, sample_batch
 
     device, dtype = args.device, torch.float32
     port = free_port()
-    ffn = (FFNRole(connector, port, device, dtype, gate_on_attention).start()
+    ffn = (FFNRole(connector, port, device, dtype, gate_on_attention, transfer=transfer).start()
            if connector == "loopback" else
-           FFNProcess(connector, port, device, dtype, gate_on_attention).start())
-    attn = AttentionRole(connector, port, device, dtype, gate_on_attention)
+           FFNProcess(connector, port, device, dtype, gate_on_attention, transfer).start())
+    attn = AttentionRole(connector, port, device, dtype, gate_on_attention, transfer=transfer)
+    through = fp8_round_trip if transfer == "fp8" else None
     results = []
     try:
         with torch.inference_mode():
             for m in (1, 2, 3, 4):
                 tokens, ubatches = sample_batch(m, device, seed=m)
                 got = attn.step(tokens, ubatches)
-                want = attn.model.reference(tokens, ubatches)
+                want = attn.model.reference(tokens, ubatches, through)
                 if not torch.equal(got, want):
                     raise AssertionError(f"m={m}: max |diff| {(got - want).abs().max():.3g}")
                 results.append(f"m={m}:{sum(map(sum, ubatches))}tok")
@@ -475,6 +480,7 @@ CHECKS = {
     "harness-shm": lambda a: _harness(a, "shm"),
     "harness-tcp": lambda a: _harness(a, "tcp"),
     "harness-shm-routed": lambda a: _harness(a, "shm", gate_on_attention=True),
+    "harness-shm-fp8": lambda a: _harness(a, "shm", transfer="fp8"),
     "dummy-runs": check_dummy_runs,
     "threads": check_threads,
     "ffn-errors": check_ffn_errors,

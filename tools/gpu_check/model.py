@@ -129,12 +129,33 @@ class TinyMoEDecoder(nn.Module):
             x = h + (layer.mlp(y) if mlp is None else mlp(i, y))
         return self.lm_head(rms_norm(x, self.norm))
 
-    def reference(self, tokens: torch.Tensor, ubatches: list[list[int]]) -> torch.Tensor:
+    def reference(self, tokens: torch.Tensor, ubatches: list[list[int]],
+                  through=None) -> torch.Tensor:
         """The whole model in this process, micro-batch by micro-batch
-        (ubatches: the sequence lengths of each)."""
+        (ubatches: the sequence lengths of each). through(x): what the link
+        does to a tensor each way (None: nothing, the exact transfer)."""
+        mlp = None
+        if through is not None:
+            def mlp(i: int, y: torch.Tensor) -> torch.Tensor:
+                return through(self.layers[i].mlp(through(y)))
         outs, start = [], 0
         for seq_lens in ubatches:
             n = sum(seq_lens)
-            outs.append(self.forward(tokens[start:start + n], seq_lens))
+            outs.append(self.forward(tokens[start:start + n], seq_lens, mlp))
             start += n
         return torch.cat(outs)
+
+
+def fp8_round_trip(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """x through the link's fp8 transfer, in plain torch: per token and group
+    of `group` elements, scale = amax / 448 (1 for an all-zero group), x / scale
+    to float8 e4m3fn and back, times scale, in x's dtype (csrc/pack.h)."""
+    tokens, hidden = x.shape
+    groups = -(-hidden // group)
+    xf = torch.nn.functional.pad(x.float(), (0, groups * group - hidden)).view(
+        tokens, groups, group)
+    amax = xf.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / torch.finfo(torch.float8_e4m3fn).max,
+                        torch.ones_like(amax))
+    q = (xf / scale).to(torch.float8_e4m3fn).float() * scale
+    return q.view(tokens, groups * group)[:, :hidden].to(x.dtype)

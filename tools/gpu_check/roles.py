@@ -28,9 +28,12 @@ MAX_TOKENS = 64
 MAX_UBATCHES = 4
 
 
-def link_config(connector: str, port: int, role: str, timeout_s: float = 30.0) -> LinkConfig:
+def link_config(connector: str, port: int, role: str, timeout_s: float = 30.0,
+                transfer: str = "auto") -> LinkConfig:
+    """transfer: AFDConfig.transfer_dtype for both directions ("auto", "fp8")."""
     return LinkConfig(role=role, connector=connector, port=port,
-                      num_ubatches=MAX_UBATCHES, timeout_s=timeout_s)
+                      num_ubatches=MAX_UBATCHES, timeout_s=timeout_s,
+                      transfer_to_ffn=transfer, transfer_to_attention=transfer)
 
 
 def build_model(device: str, dtype: torch.dtype) -> TinyMoEDecoder:
@@ -41,7 +44,8 @@ class FFNRole:
     """The FFN side: an FFNLoop serving model.layers[i].mlp."""
 
     def __init__(self, connector: str, port: int, device: str, dtype: torch.dtype,
-                 gate_on_attention: bool = False, compute=None, on_thread=None) -> None:
+                 gate_on_attention: bool = False, compute=None, on_thread=None,
+                 transfer: str = "auto") -> None:
         self.model = build_model(device, dtype)
         mlps = [layer.mlp for layer in self.model.layers]
 
@@ -49,7 +53,8 @@ class FFNRole:
             return mlps[layer](h, routing)
 
         self.loop = FFNLoop(
-            link_config(connector, port, "ffn"), layers=list(range(len(mlps))),
+            link_config(connector, port, "ffn", transfer=transfer),
+            layers=list(range(len(mlps))),
             compute=compute or run_mlp, hidden_size=self.model.hidden, dtype=dtype,
             max_tokens=MAX_TOKENS, placement=FFNPlacement(rank=0, group=[0]),
             routed_layers=self.model.moe_layers() if gate_on_attention else {},
@@ -65,11 +70,13 @@ class FFNRole:
 
 
 def _ffn_process(connector: str, port: int, device: str, dtype: torch.dtype,
-                 gate_on_attention: bool, threads: int, ready, stop) -> None:
+                 gate_on_attention: bool, threads: int, ready, stop,
+                 transfer: str = "auto") -> None:
     # The parent's thread count: CPU matmuls reduce in another order with
     # another count, and the harness compares bits.
     torch.set_num_threads(threads)
-    role = FFNRole(connector, port, device, dtype, gate_on_attention).start()
+    role = FFNRole(connector, port, device, dtype, gate_on_attention,
+                   transfer=transfer).start()
     role.loop.ready.wait(60)
     ready.set()
     stop.wait()
@@ -81,12 +88,12 @@ class FFNProcess:
     processes, as in a deployment)."""
 
     def __init__(self, connector: str, port: int, device: str, dtype: torch.dtype,
-                 gate_on_attention: bool = False) -> None:
+                 gate_on_attention: bool = False, transfer: str = "auto") -> None:
         ctx = multiprocessing.get_context("spawn")
         self.ready, self.stop_event = ctx.Event(), ctx.Event()
         self.proc = ctx.Process(target=_ffn_process, daemon=True, args=(
             connector, port, device, dtype, gate_on_attention, torch.get_num_threads(),
-            self.ready, self.stop_event))
+            self.ready, self.stop_event, transfer))
 
     def start(self) -> "FFNProcess":
         self.proc.start()
@@ -106,14 +113,14 @@ class AttentionRole:
 
     def __init__(self, connector: str, port: int, device: str, dtype: torch.dtype,
                  gate_on_attention: bool = False, on_thread=None,
-                 context: DeviceContext | None = None) -> None:
+                 context: DeviceContext | None = None, transfer: str = "auto") -> None:
         """context: the device and stream the link's threads and the steps run
         on (default: the current stream of device)."""
         self.model = build_model(device, dtype)
         self.device, self.dtype = device, dtype
         self.context = context
         self.gate_on_attention = gate_on_attention
-        self.link = AttentionLink(link_config(connector, port, "attention"),
+        self.link = AttentionLink(link_config(connector, port, "attention", transfer=transfer),
                                   hidden_size=self.model.hidden, dtype=dtype,
                                   max_tokens=MAX_TOKENS, rank=0,
                                   device=context or DeviceContext.current(device),
