@@ -65,6 +65,12 @@ def test_afd_plugin_additional_config_is_mapped():
     (["--afd-config", '{"num_ffn_ranks": 0}'], "AFDConfig.num_ffn_ranks: must be >= 1"),
     (["--afd-config", '{"timeout_s": 0}'], "AFDConfig.timeout_s: must be > 0"),
     (["--afd-config", '{"prot": 1}'], "unknown key(s) ['prot']; valid keys:"),
+    (["--afd-config", '{"transfer_dtype": "int8"}'],
+     "AFDConfig.transfer_dtype: 'int8' is not one of 'auto', 'fp8'"),
+    (["--afd-config", '{"transfer_dtype": {"to_ffn": "bf16"}}'],
+     "AFDConfig.transfer_dtype['to_ffn']: 'bf16' is not one of 'auto', 'fp8'"),
+    (["--afd-config", '{"transfer_dtype": {"up": "fp8"}}'],
+     "AFDConfig.transfer_dtype: unknown direction(s) ['up']; valid: 'to_ffn', 'to_attention'"),
     (["--additional-config", '{"afd": {"role": "ffn", "afd_role": "ffn"}}'], "given twice"),
     (["--additional-config", '{"afd": {"async": true}}'], "unknown key 'async'"),
 ])
@@ -72,6 +78,21 @@ def test_invalid_values_name_the_field(argv, message):
     with pytest.raises(ValueError, match=None) as e:
         afd_of(parse(*argv))
     assert message in str(e.value)
+
+
+def test_transfer_dtype_per_direction():
+    """One value for both directions, or per direction (a direction not named
+    is 'auto'); the transfer dtype changes no graph."""
+    assert (AFDConfig().transfer_to_ffn, AFDConfig().transfer_to_attention) == ("auto", "auto")
+    both = AFDConfig(transfer_dtype="fp8")
+    assert (both.transfer_to_ffn, both.transfer_to_attention) == ("fp8", "fp8")
+    cfg = afd_of(parse("--afd-config", '{"transfer_dtype": {"to_ffn": "fp8"}}'))
+    assert cfg.transfer_dtype == {"to_ffn": "fp8", "to_attention": "auto"}
+    link = cfg.link_config()
+    assert (link.send_transfer, link.receive_transfer) == ("fp8", "auto")
+    ffn = link.replace(role="ffn")
+    assert (ffn.send_transfer, ffn.receive_transfer) == ("auto", "fp8")
+    assert both.compute_hash() == AFDConfig().compute_hash()
 
 
 def test_bad_cli_values_fail_at_parse_time():

@@ -726,6 +726,40 @@ def test_fp8_frames_are_half_the_bytes_of_bf16():
     assert totals["fp8"] < 0.52 * totals["auto"], totals
 
 
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_routing_on_a_device_without_pack_kernels(kind, monkeypatch):
+    """Where the op library cannot pack (a device other than cpu, cuda and
+    PrivateUse1; here the CPU, told so), routed payloads go as their parts
+    back to back: the same bytes, the same answers, no op called."""
+    from vllm.afd.transport.connectors import codec
+
+    monkeypatch.setattr(codec, "FP8_DEVICE_KINDS", ("cuda",))
+    attn, ffn = connect_pair(kind, dtype=torch.bfloat16, hidden_size=63, routing_topk=TOPK)
+    assert not attn._packs
+    server = Background(ffn_serve, ffn, 1)
+    try:
+        attn.send_step(StepHeader(step_id=0, num_tokens=[5]))
+        h, r = torch.randn(5, 63).to(torch.bfloat16), routing_for(5, 0)
+        attn.send_hidden(0, 0, h, routing=r)
+        expected = h * 2 + (r.topk_weights * r.topk_ids).sum(1, keepdim=True).to(h.dtype)
+        assert torch.equal(attn.recv_output(0, 0), expected)
+        attn.send_step(StepHeader(step_id=0, num_tokens=[], flags=wire.SHUTDOWN))
+        assert server.join_result() == 1
+    finally:
+        attn.close()
+        ffn.close()
+
+
+def test_fp8_needs_pack_kernels_for_the_device():
+    """fp8 on a device the op library cannot pack on (here the meta device)
+    is refused when the connector is built, naming the option."""
+    with pytest.raises(ValueError, match=r"AFDConfig.transfer_dtype: 'fp8' needs the afd op "
+                                         r"library's pack kernels, which exist for cpu, cuda, "
+                                         r"privateuseone, not meta"):
+        make("tcp", "attention", free_port(), transfer_dtype="fp8", device="meta")
+    make("tcp", "attention", free_port(), device="meta").close()  # auto needs none
+
+
 @pytest.mark.parametrize("attention, ffn_side, field", [
     ("fp8", "auto", "transfer_to_ffn: expected 'auto', received 'fp8'"),
     ({"to_attention": "fp8"}, "auto", "transfer_to_attention: expected 'auto', received 'fp8'"),

@@ -323,3 +323,37 @@ def test_vllm_afd_cpu_isa_forces_the_first_choice():
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 0 and run.stdout.startswith(expected), (
             run.stdout[-500:], run.stderr[-2000:])
+
+
+# ------------------------------------------- the torch-op version (Ascend NPUs)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, hidden, group, topk", [
+    (0, 64, GROUP, 2), (1, 1, GROUP, 0), (3, 7, 0, 2), (5, 129, GROUP, 8), (4, 200, 64, 1),
+    (2, 2048, 0, 0), (6, 300, GROUP, 2)])
+def test_composite_pack_is_the_kernels_bytes(dtype, tokens, hidden, group, topk):
+    """kernels/composite.py, the pack/unpack registered for PrivateUse1 (NPUs
+    have no kernels of ours), builds the C++ kernels' slot byte for byte and
+    unpacks it to the same tensors: checked here on the CPU, where both run."""
+    from vllm.afd.kernels import composite
+
+    x = hidden_states(tokens, hidden, dtype, seed=tokens + hidden)
+    ids, weights = routing(tokens, topk, torch.int64) if topk else (None, None)
+    layout = PackLayout.of(tokens, hidden, dtype, group, topk)
+    by_kernel, by_torch = new_slot(layout), new_slot(layout)
+    ops.pack(x, by_kernel, group, ids, weights)
+    composite.pack(x, ids, weights, group, by_torch)
+    assert torch.equal(by_kernel, by_torch)
+    outs = []
+    for unpack in (lambda *a: ops.unpack(a[0], a[2], a[1], a[3], a[4]), composite.unpack):
+        h = torch.full_like(x, 7)
+        r = (torch.zeros_like(ids), torch.zeros_like(weights)) if topk else (None, None)
+        unpack(by_kernel, group, h, *r)
+        outs.append((h, *r))
+    for a, b in zip(*outs):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_composite_is_the_privateuse1_implementation():
+    ops.load()
+    for name in ("pack", "unpack"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"afd::{name}", "PrivateUse1")

@@ -16,6 +16,7 @@ import torch
 from vllm.afd.transport.wire import ROUTING_ALIGN, PayloadLayout
 
 _loaded = False
+_composite_library = None  # keeps the PrivateUse1 registrations alive
 
 
 def load(path: str | None = None) -> None:
@@ -29,7 +30,23 @@ def load(path: str | None = None) -> None:
     else:
         importlib.import_module("vllm.afd._C")
     _register_fakes()
+    _register_composites()
     _loaded = True
+
+
+def _register_composites() -> None:
+    """pack/unpack for PrivateUse1 (Ascend NPUs) out of torch ops (composite.py),
+    where the library brings no kernel of its own for it."""
+    global _composite_library
+    from vllm.afd.kernels import composite
+
+    missing = [name for name in ("pack", "unpack")
+               if not torch._C._dispatch_has_kernel_for_dispatch_key(f"afd::{name}",
+                                                                     "PrivateUse1")]
+    if missing:
+        _composite_library = torch.library.Library("afd", "IMPL")
+        for name in missing:
+            _composite_library.impl(name, getattr(composite, name), "PrivateUse1")
 
 
 def _register_fakes() -> None:

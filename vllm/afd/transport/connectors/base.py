@@ -176,6 +176,7 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
         try:
             self._open(time.monotonic() + self.timeout_s)
         except BaseException:
+            self._clear_codec()
             self._close_transport()
             self._links.clear()
             raise
@@ -198,6 +199,7 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
             goodbye = StepHeader(step_id=0, num_tokens=[], flags=wire.GOODBYE)
             self._farewell(goodbye)
         try:
+            self._clear_codec()
             self._close_transport()
         finally:
             # self._links stays: another thread blocked in this connector may

@@ -26,8 +26,9 @@ import torch
 from vllm.afd.transport import wire
 from vllm.afd.transport.wire import PayloadLayout, ProtocolError, Routing
 
-# Devices the op library has pack/unpack kernels for (csrc/cpu, csrc/cuda).
-FP8_DEVICE_KINDS = ("cpu", "cuda")
+# Devices the op library packs on: kernels for cpu and cuda (csrc/), torch-op
+# implementations for PrivateUse1, the Ascend NPU (kernels/composite.py).
+FP8_DEVICE_KINDS = ("cpu", "cuda", torch._C._get_privateuse1_backend_name())
 
 
 class PayloadCodec:
@@ -42,43 +43,67 @@ class PayloadCodec:
         if max(groups) and self.device.type not in FP8_DEVICE_KINDS:
             raise ValueError(
                 f"AFDConfig.transfer_dtype: 'fp8' needs the afd op library's pack kernels, "
-                f"built for {', '.join(FP8_DEVICE_KINDS)}, not {self.device.type}; use 'auto'")
-        if max(groups) or self.routing_topk:
+                f"which exist for {', '.join(FP8_DEVICE_KINDS)}, not {self.device.type}; use "
+                f"'auto'")
+        # Routed exact payloads on a device the library cannot pack on go as
+        # their parts, back to back (wire.routed_parts).
+        self._packs = self.device.type in FP8_DEVICE_KINDS
+        if max(groups) or (self.routing_topk and self._packs):
             from vllm.afd.kernels import ops
 
-            ops.load()
-            self._ops = ops
+            ops.load()  # torch.ops.afd.pack / unpack
         shape = [self.max_tokens, self.hidden_size]
         self.max_bytes = max(wire.frame_nbytes(self.dtype, shape, self.routing_topk, g)
                              for g in groups)
         self._pack_buffers: dict[tuple[int, int], torch.Tensor] = {}
         self._unpack_buffers: dict[tuple[int, int], torch.Tensor] = {}
+        # Per (peer, micro-batch): the last payload's shape and the views it
+        # needed. Steps repeat their shapes, and building a layout and its
+        # views costs several times the pack itself for decode-sized payloads.
+        self._encoded: dict[tuple[int, int], tuple] = {}
+        self._decoded: dict[tuple[int, int], tuple] = {}
 
     # ------------------------------------------------------------- sending
     def _encode(self, peer: int, ubatch_id: int, h: torch.Tensor,
-                routing: Routing | None) -> torch.Tensor:
+                routing: Routing | None) -> "torch.Tensor | list[torch.Tensor]":
         """The payload for h (and routing) in this side's send encoding."""
         group = self.send_scale_group
         if group == 0 and routing is None:
             return h
-        rows, hidden = h.shape
-        topk = 0 if routing is None else routing.topk_ids.shape[1]
-        layout = PayloadLayout.of(rows, hidden, h.dtype, group, topk)
-        slot = self._pack_target(peer, ubatch_id, layout.total, h.device)
-        self._ops.pack(h, slot, group, None if routing is None else routing.topk_ids,
-                       None if routing is None else routing.topk_weights)
+        if group == 0 and not self._packs:
+            return wire.routed_parts(h, routing)
+        key = (peer, ubatch_id)
+        ids = None if routing is None else routing.topk_ids
+        weights = None if routing is None else routing.topk_weights
+        signature = (h.shape, h.dtype, h.device, None if ids is None else ids.shape[1])
+        cached = self._encoded.get(key)
+        if cached is None or cached[0] != signature:
+            rows, hidden = h.shape
+            nbytes = PayloadLayout.of(rows, hidden, h.dtype, group, signature[3] or 0).total
+            cached = self._encoded[key] = (signature, self._pack_target(
+                peer, ubatch_id, nbytes, h.device))
+        slot = cached[1]
+        torch.ops.afd.pack(h, ids, weights, group, slot)
         return slot
 
     def _pack_target(self, peer: int, ubatch_id: int, nbytes: int,
                      device: torch.device) -> torch.Tensor:
         """Where to pack a payload of nbytes: a uint8 tensor of exactly that
-        size. Transports with their own send slots override this."""
+        size, the same memory for every call of (peer, ubatch_id). Transports
+        with their own send slots override this."""
         key = (peer, ubatch_id)
         buffer = self._pack_buffers.get(key)
-        if buffer is None or buffer.device != device or buffer.numel() < nbytes:
+        if buffer is None or buffer.device != device:
             buffer = self._pack_buffers[key] = torch.empty(
                 self.max_bytes, dtype=torch.uint8, device=device)
         return buffer[:nbytes]
+
+    def _clear_codec(self) -> None:
+        """Drop every view of transport memory (before the transport frees it)."""
+        self._encoded.clear()
+        self._decoded.clear()
+        self._pack_buffers.clear()
+        self._unpack_buffers.clear()
 
     # ----------------------------------------------------------- receiving
     def _decode(self, peer: int, frame: wire.LayerFrame, dtype: torch.dtype,
@@ -86,29 +111,46 @@ class PayloadCodec:
                 ) -> tuple[torch.Tensor, Routing | None]:
         """The hidden states and routing of a checked routed or fp8 frame
         whose raw bytes (flat uint8, on self.device) are raw."""
+        key = (peer, frame.ubatch_id)
+        signature = (frame.shape, dtype, frame.scale_group, frame.topk, raw.data_ptr(),
+                     raw.numel())
+        cached = self._decoded.get(key)
+        if cached is None or cached[0] != signature:
+            cached = self._decoded[key] = (signature, *self._decode_views(peer, frame, dtype,
+                                                                          raw))
+        _, tensor, packed, weights, ids = cached
+        routing = None if weights is None else Routing(weights.detach(), ids.detach())
+        if packed is None:  # exact: the hidden states are a view of the payload
+            if out is not None:
+                self.ops.copy(out, tensor)
+                return out, routing
+            return tensor.detach(), routing
+        target = tensor if out is None or out.device != raw.device else out
+        # The hidden states and their scales (the routing after them is viewed).
+        torch.ops.afd.unpack(packed, frame.scale_group, target, None, None)
+        if out is not None and target is not out:
+            self.ops.copy(out, target)
+            target = out
+        return target if target is out else target.detach(), routing
+
+    def _decode_views(self, peer: int, frame: wire.LayerFrame, dtype: torch.dtype,
+                      raw: torch.Tensor) -> tuple:
+        """(hidden states: a view of raw (exact) or the unpack buffer (fp8),
+        the packed bytes to unpack (fp8) or None, routing weights, ids or None)."""
         rows, hidden = frame.shape
         layout = PayloadLayout.of(rows, hidden, dtype, frame.scale_group, frame.topk)
         if raw.numel() != layout.total:  # check_frame makes this impossible
             raise ProtocolError(f"payload length from {self.peer_name(peer)}: expected "
                                 f"{layout.total}, received {raw.numel()}")
-        routing = wire.routing_views(raw, layout, rows, frame.topk) if frame.topk else None
+        weights = ids = None
+        if frame.topk:
+            weights, ids = wire.routing_views(raw, layout, rows, frame.topk)
         if frame.scale_group == 0:
-            tensor = raw[:layout.hidden_nbytes].view(dtype).view(rows, hidden)
-            if out is not None:
-                self.ops.copy(out, tensor)
-                tensor = out
-            return tensor, routing
-        target = out
-        if target is None or target.device != raw.device:
-            key = (peer, frame.ubatch_id)
-            buffer = self._unpack_buffers.get(key)
-            if buffer is None:
-                buffer = self._unpack_buffers[key] = torch.empty(
-                    self.max_tokens * hidden, dtype=dtype, device=raw.device)
-            target = buffer[:rows * hidden].view(rows, hidden)
-        # The hidden states and their scales (routing, after them, is viewed above).
-        self._ops.unpack(raw[:layout.weights_offset], target, frame.scale_group)
-        if out is not None and target is not out:
-            self.ops.copy(out, target)
-            target = out
-        return target, routing
+            return raw[:layout.hidden_nbytes].view(dtype).view(rows, hidden), None, weights, ids
+        key = (peer, frame.ubatch_id)
+        buffer = self._unpack_buffers.get(key)
+        if buffer is None or buffer.device != raw.device or buffer.dtype != dtype:
+            buffer = self._unpack_buffers[key] = torch.empty(
+                self.max_tokens * hidden, dtype=dtype, device=raw.device)
+        return (buffer[:rows * hidden].view(rows, hidden), raw[:layout.weights_offset],
+                weights, ids)
