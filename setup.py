@@ -144,14 +144,17 @@ def extensions():
         kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-std=c++20"]
         print("[vllm-afd] building CUDA kernels", file=sys.stderr)
         return [CUDAExtension("vllm.afd._C", sources, **kwargs)]
-    if os.environ.get("ASCEND_HOME_PATH"):
+    # Ascend kernels, once there are any (csrc/npu/README.md: today NPUs run the
+    # torch-op implementations of vllm/afd/kernels/composite.py).
+    npu_sources = sorted(glob.glob("csrc/npu/*.cpp"))
+    if npu_sources and os.environ.get("ASCEND_HOME_PATH"):
         try:
             import torch_npu
         except ImportError:
             torch_npu = None
         if torch_npu is not None:
             npu_root = Path(torch_npu.__file__).parent
-            sources += sorted(glob.glob("csrc/npu/*.cpp"))
+            sources += npu_sources
             kwargs.update(include_dirs=[str(npu_root / "include")],
                           library_dirs=[str(npu_root / "lib")], libraries=["torch_npu"])
             print("[vllm-afd] building Ascend kernels", file=sys.stderr)

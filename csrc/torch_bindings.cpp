@@ -2,45 +2,15 @@
 // SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 //
 // The single schema of the `afd` op library. Backends register their kernels
-// with TORCH_LIBRARY_IMPL(afd, <dispatch key>) in csrc/{cpu,cuda,npu}.
+// with TORCH_LIBRARY_IMPL(afd, <dispatch key>): csrc/cpu, csrc/cuda; Ascend NPUs
+// (PrivateUse1) get torch-op implementations from vllm/afd/kernels/composite.py
+// (csrc/npu/README.md).
 #include <Python.h>
 #include <torch/library.h>
 
-#include <algorithm>
-
-#include "ops.h"
 #include "pack.h"
 
 namespace afd {
-
-int64_t check_rows_args(const at::Tensor& src, const at::Tensor& index,
-                        const at::Tensor& out, bool gather) {
-  const char* op = gather ? "afd::gather_rows" : "afd::scatter_rows";
-  TORCH_CHECK(src.dim() >= 1 && src.dim() == out.dim(), op,
-              ": src and out must have the same rank >= 1, got ", src.sizes(),
-              " and ", out.sizes());
-  for (int64_t d = 1; d < src.dim(); ++d) {
-    TORCH_CHECK(src.size(d) == out.size(d), op,
-                ": src and out rows differ in shape: ", src.sizes(), " vs ",
-                out.sizes());
-  }
-  TORCH_CHECK(src.scalar_type() == out.scalar_type(), op,
-              ": dtype mismatch, src ", src.scalar_type(), " out ",
-              out.scalar_type());
-  TORCH_CHECK(index.dim() == 1, op, ": index must be 1-D, got ", index.sizes());
-  TORCH_CHECK(index.scalar_type() == at::kLong || index.scalar_type() == at::kInt,
-              op, ": index must be int64 or int32, got ", index.scalar_type());
-  const int64_t rows = gather ? out.size(0) : src.size(0);
-  TORCH_CHECK(index.numel() == rows, op, ": index has ", index.numel(),
-              " entries for ", rows, " rows");
-  TORCH_CHECK(src.device() == out.device() && src.device() == index.device(),
-              op, ": src, index and out must be on one device");
-  TORCH_CHECK(src.is_contiguous() && out.is_contiguous(), op,
-              ": src and out must be contiguous");
-  return src.dim() == 1 ? src.element_size()
-                        : src.numel() / std::max<int64_t>(src.size(0), 1) *
-                              src.element_size();
-}
 
 PackLayout check_pack_args(const at::Tensor& hidden,
                            const c10::optional<at::Tensor>& topk_ids,
@@ -94,8 +64,6 @@ PackLayout check_pack_args(const at::Tensor& hidden,
 }  // namespace afd
 
 TORCH_LIBRARY(afd, m) {
-  m.def("gather_rows(Tensor src, Tensor index, Tensor(a!) out) -> ()");
-  m.def("scatter_rows(Tensor src, Tensor index, Tensor(a!) out) -> ()");
   // group_size 0: exact; > 0: fp8 e4m3 with one fp32 scale per group_size
   // elements of a token (csrc/pack.h has the slot layout and the error bound).
   m.def(

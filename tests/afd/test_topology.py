@@ -290,6 +290,72 @@ def test_batcher_joins_routing_with_the_hidden_states():
     assert torch.equal(outs[1], torch.full((3, 4), 21.0))
 
 
+def test_ffn_loop_unpacks_two_peers_fp8_rows_into_one_mlp_call():
+    """transfer_dtype fp8 both ways, one FFNLoop serving two attention ranks
+    over shm (no vLLM: the data plane with a stand-in mlp): the batcher
+    gathers both peers' fp8 payloads by unpacking them straight into the rows
+    of one joined MoE input, computes once, and each peer gets its rows back,
+    equal to plain torch's quantization of its own tokens."""
+    from test_pack_ops import reference_dequantize, reference_quantize
+
+    from vllm.afd.ffn.loop import FFNLoop
+    from vllm.afd.topology import FFNPlacement
+    from vllm.afd.transport import wire
+    from vllm.afd.transport.config import LinkConfig
+    from vllm.afd.transport.connectors import create_connector
+    from vllm.afd.transport.device import DeviceContext
+
+    def through_fp8(x):
+        return reference_dequantize(*reference_quantize(x, 128), 128, x.dtype)
+
+    hidden, dtype, tokens = 200, torch.bfloat16, {0: 3, 1: 5}
+    cfg = dict(connector="shm", port=free_port(), num_attention_ranks=2, timeout_s=30,
+               transfer_to_ffn="fp8", transfer_to_attention="fp8")
+    joined = []
+
+    def mlp(layer, x, routing):
+        joined.append(x.shape[0])
+        return x * 2 + layer
+
+    loop = FFNLoop(LinkConfig(role="ffn", **cfg), layers=[0, 1], compute=mlp,
+                   hidden_size=hidden, dtype=dtype, max_tokens=16,
+                   placement=FFNPlacement(rank=0, group=[0]), warmup_sizes=[])
+    loop.start(DeviceContext.current("cpu"))
+    results, errors = {}, []
+    both_in_step = threading.Barrier(2)
+
+    def attention(rank):
+        try:
+            conn = create_connector(LinkConfig(role="attention", **cfg), hidden_size=hidden,
+                                    dtype=dtype, max_tokens=16, rank=rank)
+            conn.connect()
+            g = torch.Generator().manual_seed(rank)
+            conn.send_step(wire.StepHeader(step_id=0, num_tokens=[tokens[rank]]))
+            both_in_step.wait(30)
+            time.sleep(0.3)  # both FFN peer threads are inside the step: lockstep
+            for layer in (0, 1):
+                h = (torch.randn(tokens[rank], hidden, generator=g) * 5).to(dtype)
+                conn.send_hidden(layer, 0, h)
+                out = conn.recv_output(layer, 0)
+                results[(rank, layer)] = torch.equal(out, through_fp8(through_fp8(h) * 2 + layer))
+            conn.send_step(wire.StepHeader(step_id=0, num_tokens=[], flags=wire.GOODBYE))
+            conn.close()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=attention, args=(r,)) for r in (0, 1)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        loop.stop()
+    assert not errors, errors
+    assert results == {(r, layer): True for r in (0, 1) for layer in (0, 1)}, results
+    assert joined == [8, 8], joined  # per layer, 3 + 5 tokens in one mlp call
+
+
 def test_batcher_does_not_wait_for_a_peer_between_steps():
     b = LayerBatcher(lambda layer, x: x + 1, max_tokens=64, window_s=5.0)
     b.begin(0)

@@ -7,11 +7,14 @@ its own thread. Each thread hands its (layer, tokens) to compute(); a call
 runs when every peer that is inside a step has handed something in (they
 are in lockstep, as vLLM data-parallel ranks are) or when the oldest pending
 call has waited window_s (a peer between steps, or slower). The pending calls
-are grouped by layer, concatenated, computed once per layer and split back,
-so the FFN sees the tokens of all its peers in one batch (and their MoE
-routing, when it comes from the attention side, concatenated alike). A batch
-never exceeds max_tokens, the most the FFN was sized and warmed up for: more
-calls than that make several batches (a call is never split).
+are grouped by layer and gathered into one MoE input, computed once per layer,
+and each peer gets its rows of the output back (a view: no copy), so the FFN
+sees the tokens of all its peers in one batch (and their MoE routing, when it
+comes from the attention side, concatenated alike). Hidden states that came as
+fp8 arrive still packed (codec.Packed) and are unpacked straight into their
+rows of the MoE input: the gather is the unpack. A batch never exceeds
+max_tokens, the most the FFN was sized and warmed up for: more calls than that
+make several batches (a call is never split).
 """
 
 import threading
@@ -20,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from vllm.afd.transport.connectors.codec import Packed
 from vllm.afd.transport.errors import AFDConnectionError
 from vllm.afd.transport.wire import Routing
 
@@ -30,7 +34,7 @@ DEFAULT_WINDOW_S = 0.002
 class _Call:
     __slots__ = ("layer", "h", "peer", "routing", "out", "done")
 
-    def __init__(self, layer: int, h: torch.Tensor, peer: int,
+    def __init__(self, layer: int, h: "torch.Tensor | Packed", peer: int,
                  routing: Routing | None = None) -> None:
         self.layer, self.h, self.peer, self.routing = layer, h, peer, routing
         self.out: torch.Tensor | None = None
@@ -69,7 +73,7 @@ class LayerBatcher:
             self.error = self.error or error
             self.cv.notify_all()
 
-    def compute(self, layer: int, h: torch.Tensor, peer: int,
+    def compute(self, layer: int, h: "torch.Tensor | Packed", peer: int,
                 routing: Routing | None = None) -> torch.Tensor:
         if h.shape[0] > self.max_tokens:  # the connector's checks make this impossible
             raise ValueError(f"AFD FFN: a call of {h.shape[0]} tokens from attention rank "
@@ -132,7 +136,7 @@ class LayerBatcher:
         return groups
 
     def _run_group(self, layer: int, calls: list[_Call]) -> None:
-        x = calls[0].h if len(calls) == 1 else torch.cat([c.h for c in calls])
+        x = gather([c.h for c in calls])
         routed = [c.routing for c in calls if c.routing is not None]
         if not routed:
             out = self.run_mlp(layer, x)
@@ -151,3 +155,26 @@ class LayerBatcher:
             start += n
         self.batches += 1
         self.largest = max(self.largest, x.shape[0])
+
+
+def gather(parts: "list[torch.Tensor | Packed]") -> torch.Tensor:
+    """The peers' rows joined into one MoE input, in order; packed (fp8) parts
+    are unpacked straight into their rows. One part: itself (unpacked into
+    its connector buffer if packed), no copy."""
+    if len(parts) == 1:
+        part = parts[0]
+        return part.tensor() if isinstance(part, Packed) else part
+    if not any(isinstance(p, Packed) for p in parts):
+        return torch.cat(parts)
+    first = parts[0]
+    x = torch.empty((sum(p.shape[0] for p in parts), first.shape[1]), dtype=first.dtype,
+                    device=first.device)
+    start = 0
+    for part in parts:
+        rows = x[start:start + part.shape[0]]
+        if isinstance(part, Packed):
+            part.into(rows)
+        else:
+            rows.copy_(part)
+        start += part.shape[0]
+    return x

@@ -338,7 +338,9 @@ class FFNLoop:
                 for layer_idx in self.layers:
                     for u in range(num_ubatches):
                         t0 = now()
-                        h = conn.recv_hidden(peer, layer_idx, u)
+                        # With a batcher, fp8 hidden states stay packed: it
+                        # unpacks them straight into the joined MoE input.
+                        h = conn.recv_hidden(peer, layer_idx, u, defer=batcher is not None)
                         routing = self._routing_of(conn, peer, layer_idx, u)
                         t1 = now()
                         try:

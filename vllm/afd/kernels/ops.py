@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""Python face of the `afd` op library (csrc/): row gather/scatter and the
-transport slot's pack/unpack (exact or fp8 e4m3 with per-group scales). Data plane.
+"""Python face of the `afd` op library (csrc/): the transport slot's pack/unpack
+(exact or fp8 e4m3 with per-group scales) and the CPU kernels' ISA. Data plane.
 
 The kernels are torch ops (torch.ops.afd.*) with fake implementations, so
 torch.compile traces them as opaque calls. The library is the wheel's
@@ -50,14 +50,6 @@ def _register_composites() -> None:
 
 
 def _register_fakes() -> None:
-    @torch.library.register_fake("afd::gather_rows")
-    def _gather_rows_fake(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
-        return None
-
-    @torch.library.register_fake("afd::scatter_rows")
-    def _scatter_rows_fake(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
-        return None
-
     @torch.library.register_fake("afd::pack")
     def _pack_fake(hidden, topk_ids, topk_weights, group_size: int, slot) -> None:
         return None
@@ -86,23 +78,6 @@ def set_cpu_isa(isa: str) -> str:
     process; returns the previous one. For tests and benchmarks."""
     load()
     return torch.ops.afd.set_cpu_isa(isa)
-
-
-def gather_rows(src: torch.Tensor, index: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """out[i] = src[index[i]]; rows are moved as raw bytes (any dtype)."""
-    load()
-    if out is None:
-        out = src.new_empty((index.numel(), *src.shape[1:]))
-    torch.ops.afd.gather_rows(src, index, out)
-    return out
-
-
-def scatter_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out[index[i]] = src[i]; index must not repeat."""
-    load()
-    torch.ops.afd.scatter_rows(src, index, out)
-    return out
 
 
 # --------------------------------------------------------------- pack / unpack

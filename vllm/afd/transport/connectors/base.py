@@ -61,7 +61,7 @@ import torch
 from vllm.afd.transport import wire
 from vllm.afd.transport.config import LinkConfig
 from vllm.afd.transport.connectors.attention_side import AttentionSide
-from vllm.afd.transport.connectors.codec import PayloadCodec
+from vllm.afd.transport.connectors.codec import Packed, PayloadCodec
 from vllm.afd.transport.connectors.ffn_side import FFNSide
 from vllm.afd.transport.connectors.hooks import TransportHooks
 from vllm.afd.transport.device import DeviceOps
@@ -320,11 +320,12 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
 
     def _recv_tensor(self, peer: int, what: What, *, step_id: int, layer_id: int,
                      ubatch_id: int, shape: list[int], routing_topk: int = 0,
-                     out: torch.Tensor | None = None
-                     ) -> "tuple[torch.Tensor, wire.Routing | None]":
+                     out: torch.Tensor | None = None, defer: bool = False
+                     ) -> "tuple[torch.Tensor | Packed, wire.Routing | None]":
         """The checked tensor of the next frame (written into out, if given),
         and the routing it carries (frames may carry routing of width
-        routing_topk; 0: none allowed)."""
+        routing_topk; 0: none allowed). defer: fp8 hidden states stay packed
+        (codec.Packed) for the caller to unpack."""
         deadline = time.monotonic() + self.timeout_s
         frame = self._recv_checked(peer, LayerFrame, what, deadline)
         routing = None
@@ -343,7 +344,7 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
                 raw_frame = msgspec.structs.replace(frame, dtype="uint8", shape=[frame.nbytes])
                 raw = self._receive_payload(peer, raw_frame, torch.uint8, announced, deadline,
                                             None)
-                tensor, routing = self._decode(peer, frame, dtype, raw, out)
+                tensor, routing = self._decode(peer, frame, dtype, raw, out, defer)
             else:
                 tensor = self._receive_payload(peer, frame, dtype, announced, deadline, out)
         except ProtocolError as e:

@@ -107,10 +107,12 @@ class PayloadCodec:
 
     # ----------------------------------------------------------- receiving
     def _decode(self, peer: int, frame: wire.LayerFrame, dtype: torch.dtype,
-                raw: torch.Tensor, out: torch.Tensor | None
-                ) -> tuple[torch.Tensor, Routing | None]:
+                raw: torch.Tensor, out: torch.Tensor | None, defer: bool = False
+                ) -> "tuple[torch.Tensor | Packed, Routing | None]":
         """The hidden states and routing of a checked routed or fp8 frame
-        whose raw bytes (flat uint8, on self.device) are raw."""
+        whose raw bytes (flat uint8, on self.device) are raw. defer: fp8
+        hidden states come back still packed (Packed), for the caller to
+        unpack where it wants them."""
         key = (peer, frame.ubatch_id)
         signature = (frame.shape, dtype, frame.scale_group, frame.topk, raw.data_ptr(),
                      raw.numel())
@@ -125,6 +127,8 @@ class PayloadCodec:
                 self.ops.copy(out, tensor)
                 return out, routing
             return tensor.detach(), routing
+        if defer and out is None:
+            return Packed(packed, frame.scale_group, tensor), routing
         target = tensor if out is None or out.device != raw.device else out
         # The hidden states and their scales (the routing after them is viewed).
         torch.ops.afd.unpack(packed, frame.scale_group, target, None, None)
@@ -154,3 +158,25 @@ class PayloadCodec:
                 self.max_tokens * hidden, dtype=dtype, device=raw.device)
         return (buffer[:rows * hidden].view(rows, hidden), raw[:layout.weights_offset],
                 weights, ids)
+
+
+class Packed:
+    """fp8 hidden states received but not unpacked yet. The FFN's batcher
+    unpacks them straight into its MoE input (into(), a row range of the
+    joined batch); tensor() unpacks them into the connector's buffer for them.
+    Valid as long as the received payload is: until send_output on the same
+    (peer, micro-batch)."""
+
+    __slots__ = ("shape", "dtype", "device", "_packed", "_group", "_buffer")
+
+    def __init__(self, packed: torch.Tensor, group: int, buffer: torch.Tensor) -> None:
+        self.shape, self.dtype, self.device = buffer.shape, buffer.dtype, buffer.device
+        self._packed, self._group, self._buffer = packed, group, buffer
+
+    def into(self, target: torch.Tensor) -> torch.Tensor:
+        """Unpack into target (this shape and dtype, contiguous, this device)."""
+        torch.ops.afd.unpack(self._packed, self._group, target, None, None)
+        return target
+
+    def tensor(self) -> torch.Tensor:
+        return self.into(self._buffer.detach())

@@ -17,6 +17,7 @@ import time
 import torch
 
 from vllm.afd.transport import wire
+from vllm.afd.transport.connectors.codec import Packed
 from vllm.afd.transport.errors import What
 from vllm.afd.transport.wire import ProtocolError, StepHeader
 
@@ -47,11 +48,14 @@ class FFNSide:
             self._peer_steps[peer] = header
         return header
 
-    def recv_hidden(self, peer: int, layer_id: int, ubatch_id: int) -> torch.Tensor:
+    def recv_hidden(self, peer: int, layer_id: int, ubatch_id: int, *,
+                    defer: bool = False) -> "torch.Tensor | Packed":
         """Wait (up to timeout_s) for peer's hidden states of (layer, ubatch),
         on the connector's device, ordered on the current stream. The tensor
         may be a transport buffer, valid until send_output on the same
-        (peer, ubatch)."""
+        (peer, ubatch). defer: hidden states that came as fp8 are returned
+        still packed (codec.Packed: shape, dtype, into(target), tensor()), so
+        a batcher can unpack them straight into its joined MoE input."""
         self._require("ffn", peer)
         step = self._peer_steps.get(peer)
         if step is None:
@@ -65,7 +69,7 @@ class FFNSide:
                     step.step_id)
         h, routing = self._recv_tensor(peer, what, step_id=step.step_id, layer_id=layer_id,
                                        ubatch_id=ubatch_id, shape=shape,
-                                       routing_topk=self.routing_topk)
+                                       routing_topk=self.routing_topk, defer=defer)
         self._awaiting[(peer, ubatch_id)] = (layer_id, shape)
         self._routings[(peer, ubatch_id)] = routing
         return h
