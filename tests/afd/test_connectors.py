@@ -733,7 +733,7 @@ def test_routing_on_a_device_without_pack_kernels(kind, monkeypatch):
     back to back: the same bytes, the same answers, no op called."""
     from vllm.afd.transport.connectors import codec
 
-    monkeypatch.setattr(codec, "FP8_DEVICE_KINDS", ("cuda",))
+    monkeypatch.setattr(codec, "PACK_DEVICE_KINDS", ("cuda",))
     attn, ffn = connect_pair(kind, dtype=torch.bfloat16, hidden_size=63, routing_topk=TOPK)
     assert not attn._packs
     server = Background(ffn_serve, ffn, 1)
@@ -824,6 +824,20 @@ def test_malformed_routing_is_refused(topk, nbytes, needle):
     finally:
         attn.close()
         ffn.close()
+
+
+def test_routed_payload_of_the_wrong_length_is_refused():
+    """The codec sizes its views by the frame's layout and refuses raw bytes of
+    another length (check_frame's nbytes check comes first on the wire)."""
+    conn = make("tcp", "ffn", free_port(), routing_topk=TOPK)
+    frame = LayerFrame(step_id=0, layer_id=0, ubatch_id=0, dtype="float32", shape=[4, HIDDEN],
+                       nbytes=4 * HIDDEN * 4 + 4 * TOPK * 8, topk=TOPK)
+    try:
+        with pytest.raises(ProtocolError, match=r"payload length from attention rank 0: "
+                                                r"expected 1120, received 1121"):
+            conn._decode(0, frame, torch.float32, torch.zeros(1121, dtype=torch.uint8), None)
+    finally:
+        conn.close()
 
 
 def test_routing_without_negotiation_is_refused():

@@ -255,7 +255,7 @@ def routing(n: int, k: int, seed: int = 0) -> wire.Routing:
 @pytest.mark.parametrize("dtype, n, hidden", [(torch.float32, 8, 128), (torch.bfloat16, 3, 5),
                                               (torch.float16, 1, 7), (torch.bfloat16, 0, 4)])
 def test_routed_payload_round_trip(dtype, n, hidden):
-    """Hidden states, padding, weights, ids: one payload, split back into views."""
+    """Hidden states, padding, weights, ids: one payload, viewed back by its layout."""
     h = torch.randn(n, hidden).to(dtype)
     r = routing(n, 3)
     f = wire.layer_frame(h, step_id=1, layer_id=2, ubatch_id=0, topk=3)
@@ -263,15 +263,15 @@ def test_routed_payload_round_trip(dtype, n, hidden):
     assert check(f, step_id=1, layer_id=2, ubatch_id=0, hidden_size=hidden, dtype=dtype,
                  routing_topk=3) is dtype
     raw = torch.cat([wire.tensor_bytes(p) for p in wire.routed_parts(h, r)])
-    assert raw.numel() == f.nbytes
-    h2, r2 = wire.split_routed(raw, dtype, [n, hidden], 3)
+    layout = wire.PayloadLayout.of(n, hidden, dtype, 0, 3)
+    assert raw.numel() == f.nbytes == layout.total
+    h2 = raw[:layout.hidden_nbytes].view(dtype).view(n, hidden)
+    r2 = wire.routing_views(raw, layout, n, 3)
     assert torch.equal(h2, h) and torch.equal(r2.topk_weights, r.topk_weights)
     assert torch.equal(r2.topk_ids, r.topk_ids)
     assert r2.topk_weights.dtype == torch.float32 and r2.topk_ids.dtype == torch.int32
     raw.zero_()  # views, not copies
     assert not r2.topk_ids.any()
-    with pytest.raises(ProtocolError, match="routed payload length"):
-        wire.split_routed(torch.zeros(f.nbytes + 1, dtype=torch.uint8), dtype, [n, hidden], 3)
 
 
 def test_routing_topk_bounds_on_the_wire():

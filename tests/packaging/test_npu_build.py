@@ -28,16 +28,22 @@ def missing_ascend() -> list[str]:
     return missing
 
 
+def installed_prints_true(code: str) -> None:
+    """Run code in a fresh interpreter outside the checkout (the installed
+    wheel); its last line of output must be True."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd="/", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"
+
+
 def test_pack_has_a_privateuse1_implementation():
     """Without any NPU sources, the ops still dispatch on PrivateUse1."""
     assert not list((REPO / "csrc" / "npu").glob("*.cpp")), "update this test: NPU kernels"
     code = ("import torch; from vllm.afd.kernels import ops; ops.load(); "
             "print(all(torch._C._dispatch_has_kernel_for_dispatch_key(f'afd::{op}', "
             "'PrivateUse1') for op in ('pack', 'unpack')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd="/", timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "True"
+    installed_prints_true(code)
 
 
 def test_pack_on_an_npu_matches_the_cpu():
@@ -50,7 +56,4 @@ def test_pack_on_an_npu_matches_the_cpu():
             "ref = ops.pack(x, torch.empty(n, dtype=torch.uint8), 128); "
             "got = ops.pack(x.npu(), torch.empty(n, dtype=torch.uint8).npu(), 128); "
             "print(torch.equal(got.cpu(), ref))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd="/", timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "True"
+    installed_prints_true(code)

@@ -172,12 +172,12 @@ class AFDConfig:
     @property
     def transfer_to_ffn(self) -> str:
         """How hidden states travel to the FFN ('auto' or 'fp8')."""
-        return _transfer_dtypes(self.transfer_dtype)["to_ffn"]
+        return self.transfer_dtype["to_ffn"]  # normalized by __post_init__
 
     @property
     def transfer_to_attention(self) -> str:
         """How the FFN's outputs travel back ('auto' or 'fp8')."""
-        return _transfer_dtypes(self.transfer_dtype)["to_attention"]
+        return self.transfer_dtype["to_attention"]
 
     def link_config(self):
         """What the data plane needs of this config (transport/config.py)."""
@@ -237,7 +237,7 @@ class AFDConfig:
         return config
 
 
-def _transfer_dtypes(value: "str | dict[str, str]") -> "str | dict[str, str]":
+def _transfer_dtypes(value: "str | dict[str, str]") -> dict[str, str]:
     """transfer_dtype checked and, when given per direction, completed (a
     direction not named is 'auto'); one string stands for both directions."""
     from vllm.afd.transport.wire import TRANSFER_AUTO, TRANSFER_DTYPES

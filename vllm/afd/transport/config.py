@@ -12,8 +12,9 @@ The field names are AFDConfig's, so their meaning is documented once, there.
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from vllm.afd.transport.wire import TRANSFER_DTYPES
+
 ROLES = ("attention", "ffn")
-TRANSFER_DTYPES = ("auto", "fp8")  # wire.TRANSFER_DTYPES
 MAX_UBATCHES = 4
 
 

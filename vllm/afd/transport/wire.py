@@ -83,7 +83,6 @@ ROUTING_ID_DTYPE = torch.int32
 TRANSFER_AUTO, TRANSFER_FP8 = "auto", "fp8"
 TRANSFER_DTYPES = (TRANSFER_AUTO, TRANSFER_FP8)
 EXACT, FP8_E4M3 = "exact", "fp8_e4m3"
-ENCODINGS = {TRANSFER_AUTO: EXACT, TRANSFER_FP8: FP8_E4M3}
 FP8_SCALE_GROUP = 128
 FP8_SCALE_DTYPE = torch.float32
 MAX_SCALE_GROUP = 1 << 20
@@ -367,20 +366,6 @@ def routing_views(raw: torch.Tensor, layout: PayloadLayout, rows: int,
     weights = raw[layout.weights_offset:layout.ids_offset].view(ROUTING_WEIGHT_DTYPE)
     ids = raw[layout.ids_offset:layout.total].view(ROUTING_ID_DTYPE)
     return Routing(weights.view(rows, topk), ids.view(rows, topk))
-
-
-def split_routed(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int],
-                 topk: int) -> tuple[torch.Tensor, Routing]:
-    """Views of a received exact routed payload (a flat uint8 tensor of
-    exactly frame_nbytes(dtype, shape, topk) bytes, checked by check_frame)."""
-    n, hidden = shape
-    layout = PayloadLayout.of(n, hidden, dtype, 0, topk)
-    if raw.numel() != layout.total:
-        raise ProtocolError(f"routed payload length: expected {layout.total} (shape "
-                            f"{list(shape)} x {dtype_name(dtype)}, topk {topk}), received "
-                            f"{raw.numel()}")
-    tensor = raw[:layout.hidden_nbytes].view(dtype).view(tuple(shape))
-    return tensor, routing_views(raw, layout, n, topk)
 
 
 def check_step(header: StepHeader, *, num_ubatches: int, max_tokens: int,

@@ -28,7 +28,7 @@ from vllm.afd.transport.wire import PayloadLayout, ProtocolError, Routing
 
 # Devices the op library packs on: kernels for cpu and cuda (csrc/), torch-op
 # implementations for PrivateUse1, the Ascend NPU (kernels/composite.py).
-FP8_DEVICE_KINDS = ("cpu", "cuda", torch._C._get_privateuse1_backend_name())
+PACK_DEVICE_KINDS = ("cpu", "cuda", torch._C._get_privateuse1_backend_name())
 
 
 class PayloadCodec:
@@ -40,14 +40,14 @@ class PayloadCodec:
         self.send_scale_group = group(config.send_transfer)
         self.receive_scale_group = group(config.receive_transfer)
         groups = {0, self.send_scale_group, self.receive_scale_group}
-        if max(groups) and self.device.type not in FP8_DEVICE_KINDS:
+        if max(groups) and self.device.type not in PACK_DEVICE_KINDS:
             raise ValueError(
                 f"AFDConfig.transfer_dtype: 'fp8' needs the afd op library's pack kernels, "
-                f"which exist for {', '.join(FP8_DEVICE_KINDS)}, not {self.device.type}; use "
+                f"which exist for {', '.join(PACK_DEVICE_KINDS)}, not {self.device.type}; use "
                 f"'auto'")
         # Routed exact payloads on a device the library cannot pack on go as
         # their parts, back to back (wire.routed_parts).
-        self._packs = self.device.type in FP8_DEVICE_KINDS
+        self._packs = self.device.type in PACK_DEVICE_KINDS
         if max(groups) or (self.routing_topk and self._packs):
             from vllm.afd.kernels import ops
 
