@@ -81,3 +81,13 @@ def models_dir() -> Path:
     out = REPO / "build" / "models"
     make_models(out, names=TINY)  # no-op when the stamps match
     return out
+
+
+@pytest.fixture(scope="session")
+def ray_head():
+    """One local Ray cluster (this host only) for every test that asks for it,
+    started on first use and stopped, with every process it started, at the end."""
+    from ray_head import RayHead
+
+    with RayHead() as head:
+        yield head
