@@ -65,6 +65,9 @@ def test_afd_plugin_additional_config_is_mapped():
     (["--afd-config", '{"num_ffn_ranks": 0}'], "AFDConfig.num_ffn_ranks: must be >= 1"),
     (["--afd-config", '{"timeout_s": 0}'], "AFDConfig.timeout_s: must be > 0"),
     (["--afd-config", '{"prot": 1}'], "unknown key(s) ['prot']; valid keys:"),
+    (["--afd-config", '{"num_ffn_ranks": 2, "ffn_hosts": ["10.0.0.2"]}'],
+     "AFDConfig.ffn_hosts: 1 addresses for 2 FFN ranks (num_ffn_ranks)"),
+    (["--afd-config", '{"ffn_hosts": [""]}'], "AFDConfig.ffn_hosts: an address must not be empty"),
     (["--afd-config", '{"transfer_dtype": "int8"}'],
      "AFDConfig.transfer_dtype: 'int8' is not one of 'auto', 'fp8'"),
     (["--afd-config", '{"transfer_dtype": {"to_ffn": "bf16"}}'],
@@ -180,6 +183,20 @@ def test_ffn_beyond_loopback_needs_a_secret(values, tmp_path, monkeypatch):
     assert AFDConfig(**values, token_file=str(token)).token_file == str(token)
     monkeypatch.setenv("VLLM_AFD_TOKEN", "y" * 32)
     AFDConfig(**values)
+
+
+def test_ffn_hosts_beyond_loopback_need_a_secret(monkeypatch):
+    monkeypatch.delenv("VLLM_AFD_TOKEN", raising=False)
+    values = {"role": "ffn", "connector": "tcp", "num_ffn_ranks": 2,
+              "ffn_hosts": ["127.0.0.1", "10.1.2.3"]}
+    with pytest.raises(ValueError, match=r"AFDConfig.ffn_hosts: the FFN server would "
+                                         r"listen on 10\.1\.2\.3"):
+        AFDConfig(**values)
+    cfg = AFDConfig(**values, allow_insecure=True)
+    assert (cfg.host_of(0), cfg.host_of(1)) == ("127.0.0.1", "10.1.2.3")
+    assert cfg.link_config().host_of(1) == "10.1.2.3"
+    assert AFDConfig(role="ffn", connector="tcp", num_ffn_ranks=2,
+                     ffn_hosts=["127.0.0.1", "127.0.0.2"]).host_of(1) == "127.0.0.2"
 
 
 @pytest.mark.parametrize("values", [

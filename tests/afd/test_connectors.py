@@ -240,6 +240,46 @@ def test_two_attention_ranks_share_one_ffn(kind):
         ffn.close()
 
 
+def test_ffn_ranks_on_their_own_hosts():
+    """ffn_hosts: each FFN rank listens on its own address (two loopback
+    addresses stand in for two hosts) and attention rank a finds rank a % F
+    there; nothing listens on the other rank's address."""
+    port = free_port()
+    hosts = ["127.0.0.1", "127.0.0.2"]
+    cfg = dict(connector="tcp", port=port, timeout_s=10, num_attention_ranks=2,
+               num_ffn_ranks=2, ffn_hosts=hosts)
+    ffns = [create_connector(AFDConfig(role="ffn", ffn_rank=f, **cfg), hidden_size=HIDDEN,
+                             dtype=torch.float32, max_tokens=MAX_TOKENS, rank=f)
+            for f in (0, 1)]
+    attns = [create_connector(AFDConfig(role="attention", **cfg), hidden_size=HIDDEN,
+                              dtype=torch.float32, max_tokens=MAX_TOKENS, rank=a)
+             for a in (0, 1)]
+    waiters = [Background(f.connect) for f in ffns]
+    try:
+        for a in attns:
+            a.connect()
+        for w in waiters:
+            w.join_result()
+        assert [f.address for f in ffns] == [f"tcp://{h}:{port + i}"
+                                             for i, h in enumerate(hosts)]
+        assert [a.address for a in attns] == [f.address for f in ffns]
+        for a in attns:
+            a.send_step(StepHeader(step_id=1, num_tokens=[1]))
+            a.send_hidden(0, 0, torch.full((1, HIDDEN), float(a.rank)))
+        for f in ffns:  # FFN rank f's one peer is attention rank f
+            r = f.ffn_rank
+            assert f.connected_peers == [r]
+            f.recv_step(r)
+            f.send_output(r, 0, 0, f.recv_hidden(r, 0, 0) + 10 * r)
+        for a in attns:
+            assert a.recv_output(0, 0).eq(11.0 * a.rank).all()
+        with pytest.raises(OSError):  # rank 1 is not on rank 0's address
+            socket.create_connection(("127.0.0.1", port + 1), timeout=2).close()
+    finally:
+        for c in attns + ffns:
+            c.close()
+
+
 def test_nccl_exchanges_unique_ids_in_handshake():
     before = len(FAKE_NCCL.created)
     attn, ffn = connect_pair("nccl")

@@ -62,6 +62,11 @@ class AFDConfig:
     host: str = "127.0.0.1"
     """Address the FFN server listens on and attention servers connect to."""
 
+    ffn_hosts: list[str] = field(default_factory=list)
+    """Per FFN rank, the address it listens on and attention servers connect to
+    (num_ffn_ranks entries, rank order), for FFN servers on several hosts; empty:
+    every FFN rank uses host."""
+
     port: int = 7700
     """Port of the FFN server's rendezvous socket (1-65535)."""
 
@@ -124,6 +129,12 @@ class AFDConfig:
                              f"valid names: {', '.join(connector_names())}")
         if not self.host:
             raise ValueError("AFDConfig.host: must not be empty")
+        if self.ffn_hosts and len(self.ffn_hosts) != self.num_ffn_ranks:
+            raise ValueError(f"AFDConfig.ffn_hosts: {len(self.ffn_hosts)} addresses for "
+                             f"{self.num_ffn_ranks} FFN ranks (num_ffn_ranks); give one per "
+                             f"rank, or none to use host for all")
+        if not all(self.ffn_hosts):
+            raise ValueError("AFDConfig.ffn_hosts: an address must not be empty")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"AFDConfig.port: {self.port} is not in 1-65535")
         for name in ("num_attention_ranks", "num_ffn_ranks"):
@@ -155,9 +166,16 @@ class AFDConfig:
                              f"{auth.TOKEN_ENV} and by token_file ({self.token_file}); use "
                              f"exactly one of them")
         if self.is_ffn and self.listens_on_tcp:
-            auth.check_listen_address(
-                self.host, has_secret=auth.secret_configured(self.token_file),
-                allow_insecure=self.allow_insecure, what="AFDConfig.host: the FFN server")
+            where = "ffn_hosts" if self.ffn_hosts else "host"
+            for host in set(self.ffn_hosts) or {self.host}:
+                auth.check_listen_address(
+                    host, has_secret=auth.secret_configured(self.token_file),
+                    allow_insecure=self.allow_insecure,
+                    what=f"AFDConfig.{where}: the FFN server")
+
+    def host_of(self, ffn_rank: int) -> str:
+        """Where FFN rank ffn_rank listens (ffn_hosts, else host)."""
+        return self.ffn_hosts[ffn_rank] if self.ffn_hosts else self.host
 
     @property
     def listens_on_tcp(self) -> bool:

@@ -104,7 +104,7 @@ class AttentionLink:
         self.round_trip = Histogram(LATENCY_BUCKETS_S)
         ffn_rank = rank % self.config.num_ffn_ranks
         self.peer = (f"FFN rank {ffn_rank} ({self.config.connector} "
-                     f"{self.config.host}:{self.config.port + ffn_rank})")
+                     f"{self.config.host_of(ffn_rank)}:{self.config.port + ffn_rank})")
         self.state = link_status.STARTING
         self.since = time.time()
         self.last_error: str | None = None

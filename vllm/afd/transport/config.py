@@ -23,6 +23,7 @@ class LinkConfig:
     role: str = "attention"
     connector: str = "shm"
     host: str = "127.0.0.1"
+    ffn_hosts: list[str] = field(default_factory=list)  # per FFN rank; empty: host
     port: int = 7700
     num_attention_ranks: int = 1
     num_ffn_ranks: int = 1
@@ -42,6 +43,9 @@ class LinkConfig:
             raise ValueError(f"LinkConfig.port: {self.port} is not in 1-65535")
         if self.num_attention_ranks < 1 or self.num_ffn_ranks < 1:
             raise ValueError("LinkConfig: num_attention_ranks and num_ffn_ranks must be >= 1")
+        if self.ffn_hosts and len(self.ffn_hosts) != self.num_ffn_ranks:
+            raise ValueError(f"LinkConfig.ffn_hosts: {len(self.ffn_hosts)} addresses for "
+                             f"{self.num_ffn_ranks} FFN ranks")
         if not 1 <= self.num_ubatches <= MAX_UBATCHES:
             raise ValueError(f"LinkConfig.num_ubatches: {self.num_ubatches} is not in "
                              f"1-{MAX_UBATCHES}")
@@ -64,6 +68,10 @@ class LinkConfig:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return LinkConfig(**values)
+
+    def host_of(self, ffn_rank: int) -> str:
+        """Where FFN rank ffn_rank listens (ffn_hosts, else host)."""
+        return self.ffn_hosts[ffn_rank] if self.ffn_hosts else self.host
 
     @property
     def is_attention(self) -> bool:

@@ -90,7 +90,7 @@ class LoopbackConnector(AFDConnector):
 
     def __init__(self, afd_config, **kwargs) -> None:
         super().__init__(afd_config, **kwargs)
-        self.key = f"{afd_config.host}:{afd_config.port + self.ffn_rank}"
+        self.key = f"{self.afd_config.host_of(self.ffn_rank)}:{self.afd_config.port + self.ffn_rank}"
         self._incoming: queue.Queue | None = None  # FFN side, while listening
         self._payloads: dict[int, torch.Tensor | None] = {}  # last received, per peer
 

@@ -204,7 +204,7 @@ class TcpConnector(AFDConnector):
         super().__init__(afd_config, **kwargs)
         self._init_kwargs = kwargs  # for the gatekeeper's handshakes (_keep_the_gate)
         self._gatekeeper: threading.Thread | None = None
-        self.host = self.afd_config.host
+        self.host = self.afd_config.host_of(self.ffn_rank)
         self.port = self.afd_config.port + self.ffn_rank
         self._listener: socket.socket | None = None
         # Receive buffers, per (peer, ubatch): grown on demand up to max_bytes.
