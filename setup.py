@@ -36,6 +36,11 @@ OUR_EXT_GLOB = "_C*.so"
 # Pins added to upstream's `bench` extra (pip install 'vllm-afd[bench]') for
 # benchmarks/; `make bench` reads this line.
 BENCH_REQUIREMENTS = ["matplotlib==3.10.9"]
+# The `ray` extra (pip install 'vllm-afd[ray]'): `vllm-afd launch` and the Ray
+# executors; requirements/dev.txt pins the same for the tests.
+RAY_REQUIREMENTS = ["ray==2.55.1"]
+# Our command beside upstream's `vllm` (vllm/afd/commands.py).
+AFD_CONSOLE_SCRIPTS = ["vllm-afd = vllm.afd.commands:main"]
 
 
 def base_requirements(pin, flavor: str) -> tuple[list[str], dict[str, list[str]], str]:
@@ -65,18 +70,21 @@ def base_requirements(pin, flavor: str) -> tuple[list[str], dict[str, list[str]]
 
 
 def with_bench_pins(extras: dict[str, list[str]]) -> dict[str, list[str]]:
-    """extras with BENCH_REQUIREMENTS replacing their packages in the `bench` extra."""
+    """extras with BENCH_REQUIREMENTS replacing their packages in the `bench` extra,
+    and the `ray` extra."""
     name = lambda req: re.split(r"[\s;<>=!~\[(]", req, maxsplit=1)[0].lower()  # noqa: E731
     pinned = {name(r) for r in BENCH_REQUIREMENTS}
     kept = [r for r in extras.get("bench", []) if name(r) not in pinned]
-    return {**extras, "bench": kept + BENCH_REQUIREMENTS}
+    return {**extras, "bench": kept + BENCH_REQUIREMENTS, "ray": RAY_REQUIREMENTS}
 
 
 def base_entry_points() -> dict[str, list[str]]:
     cp = configparser.ConfigParser(delimiters=("=",))
     cp.optionxform = str
     cp.read_string((ROOT / STATE_DIR / "base.entry_points.txt").read_text())
-    return {g: [f"{k} = {v}" for k, v in cp[g].items()] for g in cp.sections()}
+    points = {g: [f"{k} = {v}" for k, v in cp[g].items()] for g in cp.sections()}
+    points.setdefault("console_scripts", []).extend(AFD_CONSOLE_SCRIPTS)
+    return points
 
 
 def packages_and_data() -> tuple[list[str], dict[str, list[str]]]:
