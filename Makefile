@@ -19,7 +19,7 @@ AFD_SOURCES := $(shell git ls-files vllm/afd csrc patches) setup.py pyproject.to
 WHEEL_STAMP := build/.installed-$(FLAVOR)
 CUDA_WHEEL_STAMP := build/.cuda-wheel
 
-.PHONY: demo test cuda-wheel bench bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
+.PHONY: demo test cuda-wheel bench bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
 
 demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
@@ -45,6 +45,11 @@ bench: $(WHEEL_STAMP)
 	$(PY) tools/make_tiny_models.py --out $(MODELS) --models bench-qwen3-moe
 	$(PIP) install -q $(BENCH_REQUIREMENTS)
 	$(PY) benchmarks/afd_vs_colocated.py $(ARGS)
+
+# Launch-to-ready time of `vllm-afd launch` (1A:1F shm, 2A:1F tcp) against starting
+# the same servers by hand, on a local Ray cluster. Results in benchmarks/results/launch_time.json.
+bench-launch: $(WHEEL_STAMP) models
+	$(PY) benchmarks/launch_time.py --models $(MODELS) $(ARGS)
 
 # The op library's pack/unpack (exact, fp8) against a memcpy of the same bytes, on
 # one thread; ARGS=--threads 2, --hidden 7168, ... Results in benchmarks/results/kernels.json.

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from vllm.afd.config import AFDConfig
 from vllm.afd.topology import ffn_placement
@@ -80,3 +81,40 @@ def test_two_setup_commands():
     commands = re.findall(r"^(make \w+)", setup, re.M)
     assert commands == ["make demo", "make test"]
     assert "exec make test" in (README.parent / ".ci" / "run").read_text()
+
+
+LAUNCH_SPECS = sorted((README.parent / "docs" / "launch").glob("*.yaml"))
+
+
+def test_launch_specs_parse_and_plan(tmp_path, monkeypatch):
+    """The README's and docs/launch's deployment specs are valid, the README's are
+    the files' text, and each plans onto two GPU nodes (or one CPU node)."""
+    from vllm.afd.launch import spec as spec_file
+    from vllm.afd.launch.plan import Node, make_plan
+
+    text = README.read_text()
+    section = text[text.index("## Many machines"):text.index("## Docker")]
+    blocks = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    assert len(blocks) == 2
+    files = {p.name: p.read_text() for p in LAUNCH_SPECS}
+    for block in blocks:
+        assert any(block in body for body in files.values()), block[:200]
+    monkeypatch.setenv("VLLM_AFD_TOKEN", "t" * 32)
+    token = tmp_path / "token"
+    token.write_text("f" * 32)
+    gpus = [Node(f"n{i}", f"10.0.0.{i}", {"CPU": 32.0, "GPU": 8.0}) for i in (1, 2)]
+    cpus = [Node("n1", "127.0.0.1", {"CPU": 4.0})]
+    planned = {}
+    for path in LAUNCH_SPECS:
+        data = yaml.safe_load(path.read_text())
+        if "file" in (data.get("secret") or {}):
+            data["secret"]["file"] = str(token)
+        spec = spec_file.parse(data, path.name)
+        nodes = cpus if "CPU" in spec.ffn.resources else gpus
+        planned[path.name] = {p.name: p for p in make_plan(spec, nodes)}
+    assert sorted(planned["2a1f.yaml"]) == ["attention-0", "attention-1", "ffn-0"]
+    assert [p.node.ip for p in planned["2a1f.yaml"].values()] == [
+        "10.0.0.1", "10.0.0.2", "10.0.0.1"]  # spread
+    ep = planned["1a2f-ep.yaml"]["ffn-0"]
+    assert ep.ranks == [0, 1] and "--enable-expert-parallel" in ep.argv
+    assert ep.argv[ep.argv.index("--distributed-executor-backend") + 1] == "ray"

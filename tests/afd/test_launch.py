@@ -291,6 +291,25 @@ def check_nothing_left(head, spec: dict, servers: dict[str, dict]) -> None:
         time.sleep(0.5)
 
 
+def test_dry_run_prints_the_plan_and_starts_nothing(models_dir, tmp_path, ray_head):
+    spec = base_spec(models_dir, attention={"servers": 2})
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "vllm.afd.launch", str(path), "--address",
+                           ray_head.address, "--dry-run"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    node = ray_head.address.split(":")[0]
+    assert ["attention-1", node, "{CPU:", "1}", str(spec["attention"]["http_port"] + 1), "-",
+            "attention", "1"] in rows, proc.stdout
+    assert ["ffn-0", node, "{CPU:", "1}", str(spec["ffn"]["http_port"]),
+            str(spec["afd_port"]), "ffn", "0"] in rows, proc.stdout
+    assert "dry run: nothing started" in proc.stdout
+    assert ray_state(ray_head.address, [f"{spec['name']}/ffn-0"]) == {"actors": [],
+                                                                      "groups": []}
+
+
 @pytest.mark.slow
 def test_launch_1a1f_serves_and_ctrl_c_leaves_nothing(models_dir, tmp_path, ray_head):
     model = models_dir / MODEL
@@ -309,10 +328,18 @@ def test_launch_1a1f_serves_and_ctrl_c_leaves_nothing(models_dir, tmp_path, ray_
         with pytest.raises(openai.NotFoundError, match="This is a vllm-afd FFN server"):
             openai.OpenAI(base_url=ffn + "/v1", api_key="x").completions.create(
                 model=str(model), prompt="hi", max_tokens=4)
+        chat = openai.OpenAI(base_url=servers["attention-0"]["url"] + "/v1",
+                             api_key="x").chat.completions.create(
+            model=str(model), messages=[{"role": "user", "content": "Hello!"}],
+            max_tokens=8, temperature=0)
+        assert chat.choices[0].finish_reason in ("length", "stop")
         assert launch.stop(signal.SIGINT) == 0, launch.text
     finally:
         launch.stop(signal.SIGKILL)
     assert "stopping: SIGINT" in launch.text
+    # Both servers shut down cleanly on the actors' SIGTERM.
+    assert "  attention-0 exited with status 0" in launch.text, launch.text
+    assert "  ffn-0 exited with status 0" in launch.text, launch.text
     assert "stopped 2 server(s)" in launch.text
     check_nothing_left(ray_head, spec, servers)
 

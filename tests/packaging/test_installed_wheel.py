@@ -50,7 +50,20 @@ def test_distribution_metadata():
     info = json.loads(Path(dist.locate_file("vllm/_afd_vendor.json")).read_text())
     assert info["flavor"] == "cpu" and len(info["series_digest"]) == 64
     eps = {ep.name for ep in dist.entry_points}
-    assert "vllm" in eps
+    assert "vllm" in eps and "vllm-afd" in eps
+    assert any(r.startswith("ray==2.55.1") and 'extra == "ray"' in r for r in reqs)
+
+
+def test_vllm_afd_command():
+    """The wheel's `vllm-afd` script: its launch command answers --help."""
+    import subprocess
+    import sys
+
+    script = Path(sys.executable).with_name("vllm-afd")
+    out = subprocess.run([str(script), "launch", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--dry-run" in out.stdout and "deployment spec" in out.stdout
 
 
 def test_patched_sources_installed():

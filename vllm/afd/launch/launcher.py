@@ -225,9 +225,20 @@ class Launcher:
         ray = _ray()
         from ray.util.placement_group import remove_placement_group
 
-        stops = [s.actor.stop.remote(STOP_TIMEOUT_S) for s in self.servers if s.actor]
+        started = [s for s in self.servers if s.actor is not None]
+        stops = [s.actor.stop.remote(STOP_TIMEOUT_S) for s in started]
         if stops:
             ray.wait(stops, num_returns=len(stops), timeout=STOP_TIMEOUT_S + 10)
+        for s, ref in zip(started, stops):
+            try:
+                code = ray.get(ref, timeout=0)
+            except Exception as e:  # its actor is gone, or it did not stop in time
+                self.say(f"  {s.plan.name}: no exit status ({type(e).__name__})")
+                continue
+            if code is not None:
+                how = (f"killed by {signal.Signals(-code).name}" if code < 0
+                       else f"exited with status {code}")
+                self.say(f"  {s.plan.name} {how}")
         for s in self.servers:
             if s.actor is not None:
                 ray.kill(s.actor, no_restart=True)

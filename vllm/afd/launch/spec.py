@@ -195,6 +195,11 @@ def load(path: str | Path) -> DeploymentSpec:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise SpecError(f"{path}: not valid YAML or JSON: {e}") from e
+    if isinstance(data, dict) and isinstance(data.get("model"), str) and \
+            os.path.exists(data["model"]):
+        # A local path is taken from where the launcher runs (the servers'
+        # working directory is Ray's): the same absolute path on every node.
+        data["model"] = os.path.abspath(data["model"])
     return parse(data, str(path))
 
 
