@@ -325,6 +325,7 @@ def test_launch_1a1f_serves_and_ctrl_c_leaves_nothing(models_dir, tmp_path, ray_
         ffn = servers["ffn-0"]["url"]
         assert http_get(ffn + "/health")[0] == 200
         assert json.loads(http_get(ffn + "/version")[1])["role"] == "ffn"
+        assert http_get(ffn + "/metrics")[0] == 200
         with pytest.raises(openai.NotFoundError, match="This is a vllm-afd FFN server"):
             openai.OpenAI(base_url=ffn + "/v1", api_key="x").completions.create(
                 model=str(model), prompt="hi", max_tokens=4)
