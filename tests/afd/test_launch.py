@@ -310,6 +310,22 @@ def test_dry_run_prints_the_plan_and_starts_nothing(models_dir, tmp_path, ray_he
                                                                       "groups": []}
 
 
+def test_a_server_that_cannot_start_is_named_with_its_log(models_dir, tmp_path, ray_head):
+    # Both servers refuse the flag; the first to exit is reported.
+    spec = base_spec(models_dir)
+    spec["args"] = [*spec["args"], "--dtype", "float7"]
+    launch = Launch(spec, tmp_path, ray_head.address)
+    try:
+        launch.wait_for("died: exited with status 2", timeout=120)
+        assert launch.proc.wait(TEARDOWN_BOUND_S) == 1
+    finally:
+        launch.stop(signal.SIGKILL)
+    assert ("server ffn-0 died" in launch.text) != ("server attention-0 died" in launch.text)
+    assert "invalid choice: 'float7'" in launch.text, launch.text  # the log's last lines
+    assert "ready in" not in launch.text
+    check_nothing_left(ray_head, spec, {})
+
+
 @pytest.mark.slow
 def test_launch_1a1f_serves_and_ctrl_c_leaves_nothing(models_dir, tmp_path, ray_head):
     model = models_dir / MODEL

@@ -113,6 +113,10 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 pass
         self._reap_group(grace=0.0)
+        try:
+            self.proc.wait(5)  # reap it: its exit status, or the SIGKILL's
+        except subprocess.TimeoutExpired:
+            pass
         self._remove_shared_memory()
         return self.proc.poll()
 

@@ -158,9 +158,12 @@ class Launcher:
                     s.group, placement_group_bundle_index=0),
             ).remote(s.plan.name, s.plan.argv, s.plan.env, secret, self.log_dir,
                       s.plan.shm_globs)
-        infos = ray.get([s.actor.start.remote() for s in self.servers], timeout=120)
-        for s, info in zip(self.servers, infos):
-            s.info = info
+        for s, ref in [(s, s.actor.start.remote()) for s in self.servers]:
+            try:
+                s.info = ray.get(ref, timeout=120)
+            except Exception as e:  # the actor could not be created or start its server
+                raise LaunchError(f"server {s.plan.name} did not start on "
+                                  f"{s.plan.node.ip}: {_first_line(e)}") from e
             s.exit_ref = s.actor.wait_exit.remote()
 
     def _wait_ready(self, t0: float) -> None:
@@ -176,7 +179,12 @@ class Launcher:
                     raise LaunchError(f"not ready after {self.ready_timeout:.0f} s: "
                                       f"{', '.join(sorted(waiting))}")
                 names = list(waiting)
-                states = ray.get([waiting[n].actor.health.remote() for n in names], timeout=30)
+                try:
+                    states = ray.get([waiting[n].actor.health.remote() for n in names],
+                                     timeout=30)
+                except Exception as e:  # an actor died: say which, from its exit
+                    self._raise_if_one_died(timeout=5)
+                    raise LaunchError(f"health checks failed: {_first_line(e)}") from e
                 for name, (status, _) in zip(names, states):
                     if status == 200:
                         del waiting[name]
@@ -197,7 +205,7 @@ class Launcher:
             reason = f"{result['how']} (pid {result['pid']} on {s.info['node']})"
             tail = result["log_tail"]
         except Exception as e:  # the actor itself died: its node or process is gone
-            reason = f"its Ray actor died ({type(e).__name__}: {str(e).splitlines()[0]})"
+            reason = f"its Ray actor died ({type(e).__name__}: {_first_line(e)})"
             tail = ""
         message = f"server {s.plan.name} died: {reason}"
         if tail:
@@ -246,6 +254,11 @@ class Launcher:
         self.say(f"stopped {len(self.servers)} server(s); their actors and placement "
                  f"groups are removed")
         self.servers = []
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 def launch(spec: DeploymentSpec, *, address: str = "auto", dry_run: bool = False,
