@@ -112,14 +112,17 @@ def test_bad_specs_name_the_field(models_dir, change, message):
     assert message in str(e.value)
 
 
-def test_the_command_refuses_a_bad_spec_before_starting(models_dir, tmp_path):
-    # No Ray address is reachable at 127.0.0.1:1: the spec is refused first.
+def test_the_command_refuses_a_bad_spec_before_starting(models_dir, tmp_path, capsys):
+    # No Ray cluster answers at 127.0.0.1:1: the spec is refused before any connection.
+    from vllm.afd.commands import main
+
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(base_spec(models_dir, attention={"servers": 0})))
-    proc = subprocess.run([sys.executable, "-m", "vllm.afd.launch", str(path), "--address",
-                           "127.0.0.1:1"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert "attention.servers: must be >= 1, got 0" in proc.stderr
+    assert main(["launch", str(path), "--address", "127.0.0.1:1"]) == 2
+    assert "attention.servers: must be >= 1, got 0" in capsys.readouterr().err
+    path.write_text("model: [unclosed")
+    assert main(["launch", str(path), "--address", "127.0.0.1:1"]) == 2
+    assert "not valid YAML or JSON" in capsys.readouterr().err
 
 
 NODES = [Node("n1", "10.0.0.1", {"CPU": 4.0, "GPU": 2.0, "node:10.0.0.1": 1.0}),
