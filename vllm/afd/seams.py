@@ -26,6 +26,10 @@ module early, and must not pull in the rest of vllm/afd.
     entrypoints/generate/base/serving.py                raise_if_link_failed
     entrypoints/cli/main.py, run_batch.py, snapshot/runtime.py,
     platforms/__init__.py                               distribution_version
+    v1/executor/ray_executor_v2.py  RayWorkerProc,      ray_accelerator_ids,
+                         RayExecutorV2 (Ray on the CPU)  ray_actor_resources,
+                                                        ray_worker_bundles,
+                                                        ray_worker_runtime_envs
 """
 
 import logging
@@ -40,7 +44,8 @@ __all__ = [
     "build_model", "check_vllm_config", "distribution_version", "dummy_step",
     "filter_weights", "guard_step", "install_api", "is_ffn_engine", "is_ffn_role",
     "maybe_ubatch_slices", "model_forward", "num_ubatches_for", "raise_if_link_failed",
-    "request_memory", "resolve_compilation", "run_ffn_server",
+    "ray_accelerator_ids", "ray_actor_resources", "ray_worker_bundles",
+    "ray_worker_runtime_envs", "request_memory", "resolve_compilation", "run_ffn_server",
 ]
 
 
@@ -199,3 +204,31 @@ def raise_if_link_failed(request_id: str) -> None:
     from vllm.afd.attention.failover import raise_if_link_failed as check
 
     check(request_id)
+
+
+# ------------------------------------------------------- Ray on the CPU platform
+# Not AFD-gated: upstream raises on these paths on the CPU (see ray_cpu.py), and
+# on every other platform each returns upstream's own value.
+def ray_actor_resources(device_key: str, upstream: dict) -> dict:
+    from vllm.afd.ray_cpu import actor_resources
+
+    return actor_resources(device_key, upstream)
+
+
+def ray_accelerator_ids(device_key: str) -> list:
+    from vllm.afd.ray_cpu import accelerator_ids
+
+    return accelerator_ids(device_key)
+
+
+def ray_worker_bundles(device_key: str, bundles: list, world_size: int) -> list:
+    from vllm.afd.ray_cpu import worker_bundles
+
+    return worker_bundles(device_key, bundles, world_size)
+
+
+def ray_worker_runtime_envs(device_key: str, vllm_config, runtime_env: dict,
+                            assignments: list) -> list:
+    from vllm.afd.ray_cpu import worker_runtime_envs
+
+    return worker_runtime_envs(device_key, vllm_config, runtime_env, assignments)
