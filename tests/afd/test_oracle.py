@@ -73,12 +73,13 @@ def loopback_result(model: Path, tmp_path: Path) -> dict:
 
 
 def ffn_server(model: Path, afd_config: dict, log: Path, *, extra: list[str] = (),
-               cpus: str | None = None) -> Server:
+               cpus: str | None = None, env: dict[str, str] | None = None) -> Server:
     args = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
             "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
             "--afd-role", "ffn", "--afd-config", json.dumps(afd_config),
             *engine_cli_args(model), *extra]
-    return Server(str(model), args, log_path=log, env={"VLLM_CPU_OMP_THREADS_BIND": cpus or cpu(1)},
+    return Server(str(model), args, log_path=log,
+                  env={"VLLM_CPU_OMP_THREADS_BIND": cpus or cpu(1), **(env or {})},
                   name=f"FFN server {afd_config.get('ffn_rank', 0)}")
 
 

@@ -5,13 +5,16 @@
 Every attention server in a deployment must give exactly plain vLLM's tokens:
   2A:1F  two attention servers, one FFN server gathering both (LayerBatcher)
   3A:2F  uneven: FFN rank 0 serves attention ranks 0 and 2, FFN rank 1 rank 1;
-         ranks 0 and 1 are the data-parallel ranks of one attention server
+         ranks 0 and 1 are the data-parallel ranks of one attention server,
+         on vLLM's Ray DP backend
   1A:2F  one FFN server with tensor parallelism 2 (both ranks get every token,
          the lead answers), and the same with expert parallelism (4 of the 8
-         experts per rank)
+         experts per rank) on vLLM's Ray executor
 Independent attention servers are in-process LLMs (tools/oracle.py) run side
 by side, the data-parallel one a `vllm serve` answering the openai client; the
-FFN servers are `vllm serve --afd-role ffn` processes.
+FFN servers are `vllm serve --afd-role ffn` processes. The Ray cases use the
+session's local Ray head (tools/ray_head.py) and check that the workers really
+are its actors.
 """
 
 import json
@@ -81,11 +84,21 @@ def serve_completions(server: Server, model: Path, prompts: list[str]) -> list:
     return sorted(comp.choices, key=lambda c: c.index)
 
 
+def assert_ray_actors(ray_head, pids: list[int], actor_class: str) -> None:
+    """Each pid is a Ray actor of `actor_class` that the test's Ray head started
+    (its raylet's session, Ray's process title), not a child of the server."""
+    for pid in pids:
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        assert title.startswith(f"ray::{actor_class}"), (pid, title)
+        assert os.getsid(pid) == os.getsid(ray_head.proc.pid), (pid, title)
+
+
 @pytest.mark.slow
-def test_three_attention_two_ffn_uneven_with_data_parallel(models_dir, tmp_path):
+def test_three_attention_two_ffn_uneven_with_data_parallel(models_dir, tmp_path, ray_head):
     """3A:2F: attention ranks 0 and 1 are the two data-parallel ranks of one
-    `vllm serve --data-parallel-size 2`, rank 2 an independent in-process
-    server; FFN rank 0 serves ranks 0 and 2, FFN rank 1 serves rank 1. Over
+    `vllm serve --data-parallel-size 2 --data-parallel-backend ray` (its engines
+    and their workers Ray actors of the test's local Ray head), rank 2 an
+    independent in-process server; FFN rank 0 serves ranks 0 and 2, FFN rank 1 serves rank 1. Over
     shm, whose segments and notify sockets are per peer: an FFN rank serving
     two attention peers on one host (the README's 2A:1F) is FFN rank 0 here."""
     model = models_dir / MODEL
@@ -95,9 +108,11 @@ def test_three_attention_two_ffn_uneven_with_data_parallel(models_dir, tmp_path)
         "--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
         "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
         "--no-enable-prefix-caching", "--data-parallel-size", "2", "--api-server-count", "1",
+        "--data-parallel-backend", "ray",
         "--afd-role", "attention", "--afd-config", json.dumps(base)],
         log_path=tmp_path / "attention-dp.log",
-        env={"VLLM_CPU_OMP_THREADS_BIND": f"{cpu(0)}|{cpu(0)}"}, name="attention server (DP=2)")
+        env={"VLLM_CPU_OMP_THREADS_BIND": f"{cpu(0)}|{cpu(0)}", "RAY_ADDRESS": ray_head.address},
+        name="attention server (DP=2)")
     with ffn_server(model, {**base, "ffn_rank": 0}, tmp_path / "ffn0.log", cpus=cpu(1)) as ffn0, \
          ffn_server(model, {**base, "ffn_rank": 1}, tmp_path / "ffn1.log", cpus=cpu(0)) as ffn1, \
          dp_server:
@@ -110,6 +125,9 @@ def test_three_attention_two_ffn_uneven_with_data_parallel(models_dir, tmp_path)
         choices = serve_completions(dp_server, model, PROMPTS)
         results = collect(procs)
         workers = [json.loads(f.get("/afd/status")[1])["workers"][0] for f in (ffn0, ffn1)]
+        links = json.loads(dp_server.get("/afd/status")[1])["links"]
+        assert len(links) == 2
+        assert_ray_actors(ray_head, [link["pid"] for link in links], "RayWorkerProc")
     check_all(models_dir, tmp_path, results)
     plain = plain_result(model, tmp_path)
     for ref, got in zip(plain["results"], choices):
@@ -127,17 +145,35 @@ def test_three_attention_two_ffn_uneven_with_data_parallel(models_dir, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["tp", "ep"])
-def test_one_attention_two_ffn_ranks(models_dir, tmp_path, parallel):
+def test_one_attention_two_ffn_ranks(models_dir, tmp_path, parallel, request):
+    """1A:2F. The tensor-parallel FFN server runs its two workers on mp, the
+    expert-parallel one on vLLM's Ray executor (RayExecutorV2, the workers Ray
+    actors in a placement group of the test's local Ray head)."""
     base = {"connector": "shm" if parallel == "tp" else "tcp", "port": free_port(),
             "timeout_s": 120, "num_ffn_ranks": 2}
-    extra = ["--tensor-parallel-size", "2"]
+    extra, env = ["--tensor-parallel-size", "2"], {}
     if parallel == "ep":
-        extra.append("--enable-expert-parallel")
+        ray_head = request.getfixturevalue("ray_head")
+        extra += ["--enable-expert-parallel", "--distributed-executor-backend", "ray"]
+        env["RAY_ADDRESS"] = ray_head.address
     with ffn_server(models_dir / MODEL, base, tmp_path / "ffn.log", extra=extra,
-                   cpus=f"{cpu(0)}|{cpu(1)}") as ffn:
+                   cpus=f"{cpu(0)}|{cpu(1)}", env=env) as ffn:
         ffn.wait_ready()
         results = run_attention_servers(models_dir / MODEL, tmp_path, [base])
         workers = json.loads(ffn.get("/afd/status")[1])["workers"]
+        pids = [w["link"]["pid"] for w in workers]
+        if parallel == "ep":
+            assert_ray_actors(ray_head, pids, "RayWorkerProc")
+            # Each actor process started with its worker's OpenMP binding and
+            # the preloaded libgomp, as mp gives a worker process (ray_cpu.py).
+            for pid, cpus in zip(pids, (cpu(0), cpu(1))):
+                environ = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ")
+                               .read_text().split("\0") if "=" in v)
+                assert "libgomp" in environ.get("LD_PRELOAD", ""), environ
+                assert environ.get("OMP_NUM_THREADS") == "1", environ
+                assert environ.get("GOMP_CPU_AFFINITY") == cpus, environ
+        else:
+            assert all(os.getsid(pid) == os.getsid(ffn.proc.pid) for pid in pids)
     log = (tmp_path / "ffn.log").read_text()
     if parallel == "ep":
         assert "Local/global number of experts: 4/8" in log
