@@ -52,8 +52,12 @@ class ServerProcess:
             # of a server whose workers are Ray actors (vLLM's Ray executor
             # places them) must still see the node's devices to pick its platform.
             del self.env["CUDA_VISIBLE_DEVICES"]
+        import ray
+
+        # A server on vLLM's Ray executor joins this cluster (its own placement
+        # group for the workers), not a new local one.
+        self.env.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
         if secret:
-            import ray
 
             # The secret travels as an object reference inside a list, so
             # neither the actor's creation arguments nor a log hold its value.
