@@ -30,6 +30,7 @@ OUT/soak.png (with matplotlib) and OUT/logs/ (server logs, /metrics texts).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import random
@@ -462,16 +463,19 @@ def run(args: argparse.Namespace) -> dict:
         ffn.start()
         attn.start()
         print(f"[soak] starting FFN and attention servers (logs in {logs})", flush=True)
+        # The canary's reference answer is plain vLLM's (in-process, AFD off),
+        # computed while the servers start.
+        canary = concurrent.futures.ThreadPoolExecutor(1).submit(plain_canary,
+                                                                  str(args.model), logs)
         ffn.wait_ready(300)
         attn.wait_ready(300)
         info["startup_s"] = round(time.monotonic() - t_start, 1)
         print(f"[soak] both ready after {info['startup_s']:.0f} s", flush=True)
         model = str(args.model)
-        # The canary's reference answer is plain vLLM's (in-process, before the
-        # load); the deployment's first answer must already be it.
+        # The deployment's first answer must already be plain vLLM's.
         import openai
 
-        info["canary"] = plain_canary(model, logs)
+        info["canary"] = canary.result(timeout=300)
         api = openai.OpenAI(base_url=attn.url + "/v1", api_key="soak", max_retries=0)
         first = api.completions.create(model=model, temperature=0, extra_body={
             "ignore_eos": True}, **CANARY).choices[0].text

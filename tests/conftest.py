@@ -83,10 +83,11 @@ def models_dir() -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_head():
-    """One local Ray cluster (this host only) for every test that asks for it,
-    started on first use and stopped, with every process it started, at the end."""
+    """A local Ray cluster (this host only) for the tests of a module that ask
+    for it, stopped with every process it started after the module: an idle
+    cluster costs a few percent of a core, and a start about 5 s."""
     from ray_head import RayHead
 
     with RayHead() as head:

@@ -13,6 +13,7 @@ by name and reason, and the launcher tears the rest down.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import queue
@@ -290,7 +291,8 @@ def check_nothing_left(head, spec: dict, servers: dict[str, dict]) -> None:
         state = ray_state(head.address, names)
         left = [n for n, s in servers.items() if alive(s["pid"])]
         shm = sorted(p.name for p in Path("/dev/shm").glob("vllm-afd-*")
-                     if p.name.startswith(f"vllm-afd-{spec['afd_port']}-") or any(
+                     if p.name.startswith((f"vllm-afd-{spec['afd_port']}-",
+                                           f"vllm-afd-token-{spec['name']}")) or any(
                          p.name.startswith(f"vllm-afd-status-{s['pid']}-")
                          for s in servers.values()))
         if not (state["actors"] or state["groups"] or left or shm):
@@ -327,11 +329,14 @@ def test_launch_1a1f_serves_and_ctrl_c_leaves_nothing(models_dir, tmp_path, ray_
     model = models_dir / MLA_MODEL
     spec = base_spec(models_dir, MLA_MODEL, ffn={"executor": "ray"})
     launch = Launch(spec, tmp_path, ray_head.address)
+    # Plain vLLM's answer, computed while the servers start.
+    plain = concurrent.futures.ThreadPoolExecutor(1).submit(plain_result, model, tmp_path,
+                                                            num_prompts=1)
     try:
         launch.wait_for("ready in", timeout=300)
         servers = launch.servers()
         assert set(servers) == {"attention-0", "ffn-0"}, launch.text
-        plain = plain_result(model, tmp_path, num_prompts=1)
+        plain = plain.result(timeout=300)
         check_tokens(servers["attention-0"]["url"], plain, model)
         # The FFN's worker is a Ray actor of this cluster, not a child process.
         status = json.loads(http_get(servers["ffn-0"]["url"] + "/afd/status")[1])
@@ -371,11 +376,12 @@ def test_launch_2a1f_secret_through_ray_and_a_killed_server(models_dir, tmp_path
     # Only the launcher has the secret; the Ray cluster was started without it.
     launch = Launch(spec, tmp_path, ray_head.address,
                     env={"VLLM_AFD_TEST_LAUNCH_TOKEN": secret})
+    plain = concurrent.futures.ThreadPoolExecutor(1).submit(plain_result, model, tmp_path)
     try:
         launch.wait_for("ready in", timeout=400)
         servers = launch.servers()
         assert set(servers) == {"attention-0", "attention-1", "ffn-0"}, launch.text
-        plain = plain_result(model, tmp_path)
+        plain = plain.result(timeout=300)
         for name in ("attention-0", "attention-1"):
             check_tokens(servers[name]["url"], plain, model)
         # The FFN listened on the node's address: it demanded the secret, which
@@ -385,6 +391,11 @@ def test_launch_2a1f_secret_through_ray_and_a_killed_server(models_dir, tmp_path
         assert secret not in launch.text
         for s in servers.values():
             assert secret not in Path(s["log"]).read_text()
+            # Nor in any server's environment: a 0600 file names it (token_file).
+            assert secret.encode() not in Path(f"/proc/{s['pid']}/environ").read_bytes()
+            argv = Path(f"/proc/{s['pid']}/cmdline").read_bytes().split(b"\0")
+            afd = json.loads(argv[argv.index(b"--afd-config") + 1])
+            assert oct(os.stat(afd["token_file"]).st_mode & 0o777) == "0o600"
 
         killed_at = time.monotonic()
         os.kill(servers["attention-1"]["pid"], signal.SIGKILL)

@@ -10,6 +10,7 @@ The launcher makes it a threaded Ray actor (`ray.remote(ServerProcess)`), so
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -34,10 +35,26 @@ def _die_with_parent() -> None:
         pass
 
 
+def _write_secret(name: str, value: str) -> str:
+    # tmpfs where there is one: the secret never reaches a disk.
+    where = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    fd, path = tempfile.mkstemp(prefix=f"vllm-afd-token-{name}-", dir=where)  # mode 0600
+    with os.fdopen(fd, "w") as f:
+        f.write(value)
+    return path
+
+
+def _with_token_file(argv: list[str], path: str) -> list[str]:
+    at = argv.index("--afd-config") + 1
+    afd = json.loads(argv[at])
+    afd["token_file"] = path
+    return [*argv[:at], json.dumps(afd, sort_keys=True), *argv[at + 1:]]
+
+
 class ServerProcess:
     def __init__(self, name: str, argv: list[str], env: dict[str, str],
                  secret: list | None, log_dir: str | None = None,
-                 shm_globs: list[str] | None = None) -> None:
+                 shm_globs: list[str] | None = None, deployment: str = "") -> None:
         self.name = name
         # Shared-memory names the server's links use (plan.py): removed after
         # it stopped, since a server killed by SIGKILL cannot remove its own.
@@ -57,11 +74,16 @@ class ServerProcess:
         # A server on vLLM's Ray executor joins this cluster (its own placement
         # group for the workers), not a new local one.
         self.env.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+        self.token_path: str | None = None
         if secret:
-
-            # The secret travels as an object reference inside a list, so
-            # neither the actor's creation arguments nor a log hold its value.
-            self.env["VLLM_AFD_TOKEN"] = ray.get(secret[0])
+            # The secret travels as an object reference inside a list, so the
+            # actor's creation arguments never hold its value; the server reads
+            # it from a file only this user can read (AFDConfig.token_file), not
+            # from its environment, which vLLM copies into its Ray workers' and
+            # data-parallel engines' runtime environments.
+            self.env.pop("VLLM_AFD_TOKEN", None)
+            self.token_path = _write_secret(f"{deployment}-{name}", ray.get(secret[0]))
+            self.argv = _with_token_file(self.argv, self.token_path)
         log_dir = Path(log_dir or Path(tempfile.gettempdir()) / "vllm-afd-launch")
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}.log"
@@ -129,6 +151,8 @@ class ServerProcess:
         # The attention server's link status directory is named after its pid
         # (vllm/afd/attention/status.py).
         globs = [*self.shm_globs, f"vllm-afd-status-{self.proc.pid}-*"]
+        if self.token_path:
+            Path(self.token_path).unlink(missing_ok=True)
         for pattern in globs:
             for path in Path("/dev/shm").glob(pattern):
                 if path.is_dir():

@@ -157,7 +157,7 @@ class Launcher:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     s.group, placement_group_bundle_index=0),
             ).remote(s.plan.name, s.plan.argv, s.plan.env, secret, self.log_dir,
-                      s.plan.shm_globs)
+                      s.plan.shm_globs, self.spec.name)
         for s, ref in [(s, s.actor.start.remote()) for s in self.servers]:
             try:
                 s.info = ray.get(ref, timeout=120)

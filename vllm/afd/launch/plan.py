@@ -17,7 +17,6 @@ from vllm.afd.launch.spec import DeploymentSpec, SpecError
 # A bundle asks for this much of its node's `node:<ip>` resource: it pins the
 # server's placement group to the node the plan chose.
 NODE_PIN = 0.001
-SECRET_ENV = "VLLM_AFD_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -143,7 +142,7 @@ def make_plan(spec: DeploymentSpec, nodes: list[Node], vllm: str = "vllm") -> li
 
 def describe(spec: DeploymentSpec, plans: list[ServerPlan]) -> str:
     """The plan as a table and each command line (no secret: it travels through
-    Ray to the servers' environment, never on a command line)."""
+    Ray to a file each server reads, never on a command line)."""
     rows = [("server", "node", "bundle", "http", "link ports", "ranks")]
     for p in plans:
         if p.role == "ffn":
@@ -169,9 +168,8 @@ def describe(spec: DeploymentSpec, plans: list[ServerPlan]) -> str:
 def _secret_source(spec: DeploymentSpec) -> str:
     if spec.secret is None:
         return "none (allow_insecure)" if spec.needs_secret else "none (one node, shm)"
-    if spec.secret.env is not None:
-        return f"from ${spec.secret.env}, to {SECRET_ENV} through Ray"
-    return f"from {spec.secret.file}, to {SECRET_ENV} through Ray"
+    source = f"${spec.secret.env}" if spec.secret.env is not None else spec.secret.file
+    return f"from {source}, through Ray to each server's token_file"
 
 
 def _quote(arg: str) -> str:
