@@ -148,6 +148,13 @@ class Launcher:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         secret = [ray.put(self.spec.secret.read())] if self.spec.secret else None
+        # The actor's class travels by value: its worker then never imports the
+        # vllm package (and torch with it), a few seconds of CPU per server.
+        from ray import cloudpickle
+
+        from vllm.afd.launch import actor as actor_module
+
+        cloudpickle.register_pickle_by_value(actor_module)
         actor_class = ray.remote(ServerProcess)
         for s in self.servers:
             need = {k: v for k, v in s.plan.bundle.items() if not k.startswith("node:")}
