@@ -193,10 +193,10 @@ def test_ffn_hosts_beyond_loopback_need_a_secret(monkeypatch):
                                          r"listen on 10\.1\.2\.3"):
         AFDConfig(**values)
     cfg = AFDConfig(**values, allow_insecure=True)
-    assert (cfg.host_of(0), cfg.host_of(1)) == ("127.0.0.1", "10.1.2.3")
-    assert cfg.link_config().host_of(1) == "10.1.2.3"
+    link = cfg.link_config()
+    assert (link.host_of(0), link.host_of(1)) == ("127.0.0.1", "10.1.2.3")
     assert AFDConfig(role="ffn", connector="tcp", num_ffn_ranks=2,
-                     ffn_hosts=["127.0.0.1", "127.0.0.2"]).host_of(1) == "127.0.0.2"
+                     ffn_hosts=["127.0.0.1", "127.0.0.2"]).link_config().host_of(1) == "127.0.0.2"
 
 
 @pytest.mark.parametrize("values", [

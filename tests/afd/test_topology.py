@@ -409,3 +409,21 @@ def test_batcher_window_bounds_the_wait_for_a_slow_peer():
     t0 = time.monotonic()
     b.compute(0, torch.zeros(1, 2), 0)
     assert 0.04 <= time.monotonic() - t0 < 2
+
+
+def test_ray_seams_keep_upstream_values_off_the_cpu():
+    """vllm/afd/ray_cpu.py changes RayExecutorV2 only for the CPU key: on GPUs
+    (never run here) every seam hands back upstream's own value."""
+    from vllm.afd import ray_cpu
+
+    upstream = {"num_gpus": 0, "resources": {"TPU": 1}}
+    assert ray_cpu.actor_resources("TPU", upstream) is upstream
+    assert ray_cpu.actor_resources("CPU", upstream) == {"num_gpus": 0}
+    # (bundle index, node id, node ip), as get_bundles_sorted_by_node gives them:
+    # a Ray DP placement group's last bundle is its engine's control bundle.
+    bundles = [(1, "n", "ip"), (0, "n", "ip"), (2, "n", "ip")]
+    assert ray_cpu.worker_bundles("GPU", bundles, 2) is bundles
+    assert ray_cpu.worker_bundles("CPU", bundles, 2) == [(1, "n", "ip"), (0, "n", "ip")]
+    assert ray_cpu.worker_bundles("CPU", bundles, 3) is bundles
+    env = {"env_vars": {"A": "1"}}
+    assert ray_cpu.worker_runtime_envs("GPU", None, env, [{}, {}]) == [env, env]

@@ -173,10 +173,6 @@ class AFDConfig:
                     allow_insecure=self.allow_insecure,
                     what=f"AFDConfig.{where}: the FFN server")
 
-    def host_of(self, ffn_rank: int) -> str:
-        """Where FFN rank ffn_rank listens (ffn_hosts, else host)."""
-        return self.ffn_hosts[ffn_rank] if self.ffn_hosts else self.host
-
     @property
     def listens_on_tcp(self) -> bool:
         """Whether the FFN side of this connector listens on host:port over TCP

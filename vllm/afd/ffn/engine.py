@@ -32,7 +32,7 @@ class FFNEngine:
         self.core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=False)
         self.core.collective_rpc("afd_start_ffn_loop")
         logger.info("AFD FFN engine started: workers run the FFN loop, waiting for "
-                    "attention peers on %s:%d (%s)", afd.host_of(afd.ffn_rank),
+                    "attention peers on %s:%d (%s)", afd.link_config().host_of(afd.ffn_rank),
                     vllm_config.afd_config.port, vllm_config.afd_config.connector)
 
     def status(self) -> list[dict]:

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -33,6 +32,11 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+
+
+def how_it_ended(returncode: int) -> str:
+    return (f"killed by {signal.Signals(-returncode).name}" if returncode < 0
+            else f"exited with status {returncode}")
 
 
 def _write_secret(name: str, value: str) -> str:
@@ -88,7 +92,6 @@ class ServerProcess:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}.log"
         self.proc: subprocess.Popen | None = None
-        self._exited = threading.Event()
 
     def start(self) -> dict:
         with open(self.log_path, "wb") as log:
@@ -119,10 +122,7 @@ class ServerProcess:
         assert self.proc is not None
         code = self.proc.wait()
         self._reap_group()
-        self._exited.set()
-        how = (f"killed by {signal.Signals(-code).name}" if code < 0 else
-               f"exited with status {code}")
-        return {"name": self.name, "pid": self.proc.pid, "returncode": code, "how": how,
+        return {"pid": self.proc.pid, "returncode": code, "how": how_it_ended(code),
                 "log_tail": self.log_tail()}
 
     def stop(self, timeout: float = 20.0) -> int | None:

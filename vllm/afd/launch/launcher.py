@@ -19,9 +19,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from vllm.afd.launch.actor import ServerProcess
+from vllm.afd.launch.actor import ServerProcess, how_it_ended
 from vllm.afd.launch.plan import Node, ServerPlan, describe, make_plan
-from vllm.afd.launch.spec import DeploymentSpec, SpecError
+from vllm.afd.launch.spec import DeploymentSpec
 
 logger = logging.getLogger(__name__)
 NAMESPACE = "vllm-afd"
@@ -251,9 +251,7 @@ class Launcher:
                 self.say(f"  {s.plan.name}: no exit status ({type(e).__name__})")
                 continue
             if code is not None:
-                how = (f"killed by {signal.Signals(-code).name}" if code < 0
-                       else f"exited with status {code}")
-                self.say(f"  {s.plan.name} {how}")
+                self.say(f"  {s.plan.name} {how_it_ended(code)}")
         for s in self.servers:
             if s.actor is not None:
                 ray.kill(s.actor, no_restart=True)

@@ -30,7 +30,6 @@ class Node:
 class ServerPlan:
     name: str  # attention-0, ffn-1, ...
     role: str
-    index: int
     node: Node
     bundle: dict[str, float]  # its placement group's one bundle, pinned to node
     http_port: int
@@ -133,7 +132,7 @@ def make_plan(spec: DeploymentSpec, nodes: list[Node], vllm: str = "vllm") -> li
         # (transport/connectors/shm.py); one node holds them all.
         shm = ([f"vllm-afd-{spec.afd_port + f}-*" for f in range(spec.num_ffn_ranks)]
                if spec.connector == "shm" else [])
-        plans.append(ServerPlan(name=f"{role}-{i}", role=role, index=i, node=node,
+        plans.append(ServerPlan(name=f"{role}-{i}", role=role, node=node,
                                 bundle=bundle, http_port=http_port, ranks=ranks,
                                 afd_config=afd, argv=argv, env={**spec.env, **r.env},
                                 shm_globs=shm))

@@ -10,7 +10,6 @@ shows a whole spec; every field's docstring below says what it means.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -18,8 +17,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-MAX_UBATCHES = 4
-LINK_CONNECTORS = ("shm", "tcp", "nccl")
+from vllm.afd.transport.config import MAX_UBATCHES
+
 # --afd-config keys the launcher sets itself (from the spec's structure).
 OWNED_AFD_KEYS = {"role", "connector", "host", "ffn_hosts", "port", "num_attention_ranks",
                   "num_ffn_ranks", "attention_rank", "ffn_rank", "num_ubatches",
@@ -266,6 +265,3 @@ def _check_ports(spec: DeploymentSpec) -> None:
     for f in range(spec.num_ffn_ranks):
         claim(spec.afd_port + f, f"FFN rank {f}'s link port", "afd_port")
 
-
-def dumps(spec: DeploymentSpec) -> str:
-    return json.dumps(spec.model_dump(), indent=2)

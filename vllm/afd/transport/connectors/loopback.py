@@ -90,7 +90,8 @@ class LoopbackConnector(AFDConnector):
 
     def __init__(self, afd_config, **kwargs) -> None:
         super().__init__(afd_config, **kwargs)
-        self.key = f"{self.afd_config.host_of(self.ffn_rank)}:{self.afd_config.port + self.ffn_rank}"
+        config = self.afd_config
+        self.key = f"{config.host_of(self.ffn_rank)}:{config.port + self.ffn_rank}"
         self._incoming: queue.Queue | None = None  # FFN side, while listening
         self._payloads: dict[int, torch.Tensor | None] = {}  # last received, per peer
 
