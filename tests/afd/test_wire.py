@@ -43,6 +43,7 @@ def check(f: LayerFrame, **overrides) -> torch.dtype:
     StepHeader(step_id=0, num_tokens=[5]),
     StepHeader(step_id=2**40, num_tokens=[3, 0, 7, 1], flags=wire.SHUTDOWN),
     StepHeader(step_id=0, num_tokens=[], flags=wire.GOODBYE),
+    StepHeader(step_id=9, num_tokens=[4, 2], from_layer=[3, 2**31]),
     frame(),
     frame(dtype="bfloat16", shape=[0, 4096], nbytes=0),
     frame(topk=2, nbytes=8 * 128 * 4 + 8 * 2 * 8),
@@ -198,6 +199,8 @@ def test_check_frame_errors(bad, overrides, message):
      "StepHeader.step_id: expected >= 2 (steps only move forward), received 1"),
     (StepHeader(step_id=3, num_tokens=[1], flags=64),
      "StepHeader.flags: expected only bits 0x6, received 0x40"),
+    (StepHeader(step_id=3, num_tokens=[1, 2], from_layer=[4]),
+     "StepHeader.from_layer: expected none or one entry per micro-batch (2), received 1 ([4])"),
 ])
 def test_check_step_errors(step, message):
     with pytest.raises(ProtocolError, match="^" + message.replace("[", r"\[").replace(
@@ -210,6 +213,21 @@ def test_check_step_accepts():
     assert wire.check_step(ok, num_ubatches=2, max_tokens=64, min_step_id=2) is ok
     bye = StepHeader(step_id=0, num_tokens=[], flags=wire.GOODBYE)
     assert wire.check_step(bye, num_ubatches=2, max_tokens=64, min_step_id=9) is bye
+    resumed = StepHeader(step_id=2, num_tokens=[3, 1], from_layer=[5, 0])
+    assert wire.check_step(resumed, num_ubatches=2, max_tokens=64, min_step_id=2) is resumed
+
+
+def test_step_from_layer_defaults_to_the_first_layer_and_is_bounded():
+    """A plain step carries no from_layer (every micro-batch from layer 0); a
+    peer cannot announce more entries than micro-batches exist, nor negative ids."""
+    assert StepHeader(step_id=0, num_tokens=[2]).from_layer == []
+    decoded = wire.decode(wire.encode(StepHeader(step_id=1, num_tokens=[2], from_layer=[7])))
+    assert decoded.from_layer == [7]
+    for bad in ([0] * (wire.MAX_UBATCHES + 1), [-1]):
+        data = msgspec.msgpack.encode({"kind": "step", "step_id": 0, "num_tokens": [1],
+                                       "from_layer": bad})
+        with pytest.raises(ProtocolError, match="from_layer"):
+            wire.decode(data)
 
 
 @pytest.mark.parametrize("dtype", list(wire.DTYPES.values()))

@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 # 5: transfer encodings (AFDConfig.transfer_dtype): Hello.transfer_to_ffn,
 #    Hello.transfer_to_attention, Hello.scale_group; LayerFrame.encoding and
 #    LayerFrame.scale_group; fp8 payloads laid out by PayloadLayout.
-PROTOCOL_VERSION = 5
+# 6: StepHeader.from_layer (a step resumed mid-way on a standby FFN server).
+PROTOCOL_VERSION = 6
 MAX_TRANSPORT_BYTES = 16 * 1024  # a connector's handshake data
 
 MAX_UBATCHES = 4  # AFDConfig.num_ubatches is 1..4
@@ -200,11 +201,18 @@ class HelloConfirm(Message, tag="hello_confirm"):
 
 class StepHeader(Message, tag="step"):
     """Start of a model step on one attention rank: how many tokens each
-    micro-batch carries (their sum is this rank's tokens for the step)."""
+    micro-batch carries (their sum is this rank's tokens for the step).
+
+    from_layer: empty, every micro-batch starts at the first layer; otherwise
+    one entry per micro-batch, the first layer id the FFN serves for it in
+    this step. The attention side re-sends a step to a standby FFN server
+    after a failover and resumes it there: the layers below from_layer[u]
+    were done elsewhere, and a value above every layer leaves nothing to do."""
 
     step_id: NonNegInt
     num_tokens: Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_UBATCHES)]
     flags: NonNegInt = 0
+    from_layer: Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_UBATCHES)] = []
 
     @property
     def is_shutdown(self) -> bool:
@@ -386,6 +394,10 @@ def check_step(header: StepHeader, *, num_ubatches: int, max_tokens: int,
     if total > max_tokens:
         raise _mismatch("StepHeader.num_tokens", f"at most {max_tokens} tokens in all",
                         f"{total} ({header.num_tokens})", context)
+    if header.from_layer and len(header.from_layer) != len(header.num_tokens):
+        raise _mismatch("StepHeader.from_layer",
+                        f"none or one entry per micro-batch ({len(header.num_tokens)})",
+                        f"{len(header.from_layer)} ({header.from_layer})", context)
     return header
 
 
