@@ -118,8 +118,8 @@ def test_three_attention_two_ffn_uneven_with_data_parallel(models_dir, tmp_path,
          dp_server:
         ffn0.wait_ready()
         ffn1.wait_ready()
-        # FFN rank 0 starts serving once both its peers (ranks 0 and 2) are
-        # connected, and the DP server is ready only after a first step.
+        # FFN rank 0 serves each of its peers (ranks 0 and 2) as it connects,
+        # and the DP server is ready only after a first step.
         procs = start_attention_servers(model, tmp_path, [{**base, "attention_rank": 2}])
         dp_server.wait_ready()
         choices = serve_completions(dp_server, model, PROMPTS)
@@ -427,3 +427,288 @@ def test_ray_seams_keep_upstream_values_off_the_cpu():
     assert ray_cpu.worker_bundles("CPU", bundles, 3) is bundles
     env = {"env_vars": {"A": "1"}}
     assert ray_cpu.worker_runtime_envs("GPU", None, env, [{}, {}]) == [env, env]
+
+
+# ------------------------------------------------ per-peer sessions on one FFN rank
+SESSION_HIDDEN = 8
+
+
+class _Mlp:
+    """A deterministic stand-in for the mlp (h * 2 + layer) that records the
+    token count of every call, and fails the calls fail_when(layer, x) picks."""
+
+    def __init__(self, fail_when=None) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.fail_when = fail_when
+
+    def __call__(self, layer, x, routing=None):
+        self.calls.append((layer, x.shape[0]))
+        if self.fail_when is not None and self.fail_when(layer, x):
+            raise RuntimeError("injected mlp failure")
+        return x * 2 + layer
+
+
+def _session_loop(connector, mlp, layers=(0, 1, 2), num_attention_ranks=2, **cfg):
+    """An FFNLoop (FFN rank 0) serving num_attention_ranks attention ranks, and
+    a function making one of its attention peers (connected)."""
+    from vllm.afd.ffn.loop import FFNLoop
+    from vllm.afd.topology import FFNPlacement
+    from vllm.afd.transport.config import LinkConfig
+    from vllm.afd.transport.connectors import create_connector
+    from vllm.afd.transport.device import DeviceContext
+
+    cfg = dict(connector=connector, port=free_port(), timeout_s=10,
+               num_attention_ranks=num_attention_ranks, **cfg)
+    loop = FFNLoop(LinkConfig(role="ffn", **cfg), layers=list(layers), compute=mlp,
+                   hidden_size=SESSION_HIDDEN, dtype=torch.float32, max_tokens=16,
+                   placement=FFNPlacement(rank=0, group=[0]), warmup_sizes=[])
+    # Long: a call runs only when every peer inside a step handed one in (or
+    # that peer left), never because the window ran out.
+    loop.batcher.window_s = 5.0
+    loop.start(DeviceContext.current("cpu"))
+    assert loop.ready.wait(10)
+
+    def attention(rank):
+        conn = create_connector(LinkConfig(role="attention", **cfg), hidden_size=SESSION_HIDDEN,
+                                dtype=torch.float32, max_tokens=16, rank=rank)
+        conn.connect()
+        return conn
+
+    return loop, attention
+
+
+def _wait_for(condition, what, bound=10.0):
+    deadline = time.monotonic() + bound
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def _hidden(rank, step, layer, n):
+    return torch.full((n, SESSION_HIDDEN), 100.0 * rank + 10 * step + layer)
+
+
+def _joint_step(loop, peers: dict, step, tokens, layers=(0, 1, 2)):
+    """One step of every peer in peers ({rank: connector}), in lockstep: the
+    FFN batches their calls of each layer into one."""
+    from vllm.afd.transport.wire import StepHeader
+
+    for rank, conn in peers.items():
+        conn.send_step(StepHeader(step_id=step, num_tokens=[tokens[rank]]))
+    _wait_for(lambda: loop.batcher.active == set(peers), "every session inside the step")
+    for layer in layers:
+        for rank, conn in peers.items():
+            conn.send_hidden(layer, 0, _hidden(rank, step, layer, tokens[rank]))
+        for rank, conn in peers.items():
+            h = _hidden(rank, step, layer, tokens[rank])
+            assert torch.equal(conn.recv_output(layer, 0), h * 2 + layer), (rank, step, layer)
+
+
+@pytest.mark.parametrize("connector", ["shm", "tcp"])
+def test_ffn_peers_join_and_leave_their_own_sessions(connector):
+    """Attention rank 0 is served alone before rank 1 exists; rank 1 joins
+    later and both are batched; rank 1's connection is cut mid-step without a
+    goodbye: only its session ends, rank 0's step finishes with the right
+    outputs (not held for the batcher's window); rank 1 reconnects and both
+    are batched again."""
+    mlp = _Mlp()
+    loop, attention = _session_loop(connector, mlp)
+    tokens = {0: 3, 1: 5}
+    conns = []
+    try:
+        p0 = attention(0)
+        conns.append(p0)
+        for step in range(3):  # rank 1 does not exist yet
+            _joint_step(loop, {0: p0}, step, tokens)
+        _wait_for(lambda: loop.peer_stats[0].steps == 3, "three steps counted")
+        assert loop.serving == [0]
+        assert set(mlp.calls) == {(layer, 3) for layer in (0, 1, 2)}
+        time.sleep(0.5)
+        p1 = attention(1)
+        conns.append(p1)
+        _wait_for(lambda: loop.serving == [0, 1], "both served")
+        mlp.calls.clear()
+        _joint_step(loop, {0: p0, 1: p1}, 3, tokens)
+        assert mlp.calls == [(0, 8), (1, 8), (2, 8)]  # one mlp call of both per layer
+
+        # Mid-step, rank 1's socket is cut (no goodbye, no ErrorFrame).
+        from vllm.afd.transport.wire import StepHeader
+
+        for rank, conn in ((0, p0), (1, p1)):
+            conn.send_step(StepHeader(step_id=4, num_tokens=[tokens[rank]]))
+        _wait_for(lambda: loop.batcher.active == {0, 1}, "both inside step 4")
+        for rank, conn in ((0, p0), (1, p1)):
+            conn.send_hidden(0, 0, _hidden(rank, 4, 0, tokens[rank]))
+        for rank, conn in ((0, p0), (1, p1)):
+            conn.recv_output(0, 0)
+        p1._links[0].close()
+        t0 = time.monotonic()
+        for layer in (1, 2):
+            p0.send_hidden(layer, 0, _hidden(0, 4, layer, 3))
+            assert torch.equal(p0.recv_output(layer, 0), _hidden(0, 4, layer, 3) * 2 + layer)
+        assert time.monotonic() - t0 < 4  # the window is 5 s: rank 1 left, not timed out
+        _wait_for(lambda: loop.serving == [0], "rank 1's session ends")
+        status = loop.status()
+        assert "attention rank 1" in status["last_peer_error"], status
+        for step in (5, 6):
+            _joint_step(loop, {0: p0}, step, tokens)
+
+        # Rank 1 comes back: a new session, batched with rank 0's again.
+        p1.close()
+        p1 = attention(1)
+        conns.append(p1)
+        _wait_for(lambda: loop.serving == [0, 1], "rank 1 back")
+        mlp.calls.clear()
+        for step in (7, 8):
+            _joint_step(loop, {0: p0, 1: p1}, step, tokens)
+        assert mlp.calls == [(layer, 8) for _ in (7, 8) for layer in (0, 1, 2)]
+        assert loop.batcher.largest == 8
+        doc = loop.document()
+        assert loop.sessions == 3 and doc["reconnects"] == 2, doc
+        assert doc["handshake_failures"] == 0 and doc["bytes_received"] > 0, doc
+    finally:
+        for conn in conns:
+            conn.close()
+        loop.stop()
+    assert loop.serving == [] and not loop.thread.is_alive()
+
+
+def test_a_rank_with_a_live_session_is_refused_until_it_ends():
+    """A second attention rank 0 while the first one's session lives: refused
+    as already connected (counted on the FFN rank); once that session ended,
+    the same rank is served."""
+    from vllm.afd.transport.wire import GOODBYE, ProtocolError, StepHeader
+
+    loop, attention = _session_loop("loopback", _Mlp(), num_attention_ranks=1)
+    first = second = None
+    try:
+        first = attention(0)
+        _joint_step(loop, {0: first}, 0, {0: 2})
+        with pytest.raises(ProtocolError, match="rank: attention rank 0 is already connected"):
+            attention(0)
+        doc = loop.document()
+        assert doc["handshake_failures"] == 1 and doc["auth_failures"] == 0, doc
+        assert "already connected" in loop.status()["last_refusal"]
+        _joint_step(loop, {0: first}, 1, {0: 2})  # the live session never noticed
+        first.send_step(StepHeader(step_id=0, num_tokens=[], flags=GOODBYE))
+        first.close()
+        _wait_for(lambda: loop.serving == [], "the first session ends")
+        second = attention(0)
+        _joint_step(loop, {0: second}, 0, {0: 4})
+        assert loop.serving == [0] and loop.sessions == 2
+    finally:
+        for conn in (first, second):
+            if conn is not None:
+                conn.close()
+        loop.stop()
+
+
+def test_a_failed_mlp_call_fails_only_the_peers_in_it():
+    """The joined call of ranks 0 and 1 fails: each of them gets the FFN's
+    error text; rank 2, between steps meanwhile, is served on, and rank 0
+    reconnects and is served too."""
+    from vllm.afd.transport.errors import AFDConnectionError
+    from vllm.afd.transport.wire import StepHeader
+
+    failed = []
+
+    def fail_once(layer, x):
+        if layer == 1 and x.shape[0] == 5 and not failed:
+            failed.append(layer)
+            return True
+        return False
+
+    loop, attention = _session_loop("shm", _Mlp(fail_once), num_attention_ranks=3)
+    tokens = {0: 2, 1: 3, 2: 4}
+    conns = []
+    try:
+        p0, p1, p2 = (attention(r) for r in (0, 1, 2))
+        conns += [p0, p1, p2]
+        _wait_for(lambda: loop.serving == [0, 1, 2], "three sessions")
+        _joint_step(loop, {2: p2}, 0, tokens)
+        for rank, conn in ((0, p0), (1, p1)):
+            conn.send_step(StepHeader(step_id=0, num_tokens=[tokens[rank]]))
+        _wait_for(lambda: loop.batcher.active == {0, 1}, "ranks 0 and 1 inside a step")
+        for layer in (0, 1):
+            for rank, conn in ((0, p0), (1, p1)):
+                conn.send_hidden(layer, 0, _hidden(rank, 0, layer, tokens[rank]))
+            if layer == 0:
+                for conn in (p0, p1):
+                    conn.recv_output(0, 0)
+        for conn in (p0, p1):
+            with pytest.raises(AFDConnectionError, match=r"the mlp of layer 1 failed on 5 "
+                                                         r"token\(s\): RuntimeError: injected"):
+                conn.recv_output(1, 0)
+        _wait_for(lambda: loop.serving == [2], "ranks 0 and 1's sessions end")
+        assert loop.status()["link"]["errors"], loop.status()
+        _joint_step(loop, {2: p2}, 1, tokens)
+        p0.close()
+        p0 = attention(0)
+        conns.append(p0)
+        _joint_step(loop, {0: p0, 2: p2}, 2, tokens)
+    finally:
+        for conn in conns:
+            conn.close()
+        loop.stop()
+
+
+def test_ffn_loop_serves_a_resumed_step_from_its_layers():
+    """A step re-sent after a failover (StepHeader.from_layer): micro-batch 0
+    from layer 2 on, micro-batch 1 with nothing left; the next plain step is
+    whole. Stats count the calls served."""
+    from vllm.afd.transport.wire import StepHeader
+
+    mlp = _Mlp()
+    loop, attention = _session_loop("loopback", mlp, layers=(0, 1, 2, 3),
+                                    num_attention_ranks=1, num_ubatches=2)
+    conn = None
+    try:
+        conn = attention(0)
+        conn.send_step(StepHeader(step_id=5, num_tokens=[3, 2], from_layer=[2, 99]))
+        for layer in (2, 3):
+            h = _hidden(0, 5, layer, 3)
+            conn.send_hidden(layer, 0, h)
+            assert torch.equal(conn.recv_output(layer, 0), h * 2 + layer)
+        assert mlp.calls == [(2, 3), (3, 3)]
+        conn.send_step(StepHeader(step_id=6, num_tokens=[3, 2]))
+        for layer in range(4):
+            for u, n in enumerate((3, 2)):
+                h = _hidden(u, 6, layer, n)
+                conn.send_hidden(layer, u, h)
+                assert torch.equal(conn.recv_output(layer, u), h * 2 + layer)
+        _wait_for(lambda: loop.peer_stats[0].steps == 2, "both steps counted")
+        stats = loop.peer_stats[0]
+        assert stats.layer_calls == 2 + 8 and stats.tokens == 2 * 3 + 4 * 5
+    finally:
+        if conn is not None:
+            conn.close()
+        loop.stop()
+
+
+def test_batcher_failure_stays_with_its_calls():
+    """An mlp call that raises fails the calls it was made of, nobody else's;
+    the batcher serves the next calls as before."""
+    def mlp(layer, x):
+        if layer == 1:
+            raise RuntimeError("boom")
+        return x + 1
+
+    b = LayerBatcher(mlp, max_tokens=64, window_s=5.0)
+    for peer in (0, 1):
+        b.begin(peer)
+    results = {}
+
+    def peer(p):
+        try:
+            results[p] = b.compute(1, torch.zeros(2, 3), p)
+        except RuntimeError as e:
+            results[p] = str(e)
+
+    threads = [threading.Thread(target=peer, args=(p,)) for p in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == {0: "boom", 1: "boom"}
+    b.end(1)
+    assert torch.equal(b.compute(0, torch.zeros(2, 3), 0), torch.ones(2, 3))

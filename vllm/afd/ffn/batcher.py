@@ -2,11 +2,13 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """LayerBatcher: one mlp call for the same layer of several attention peers.
 
-An FFN rank serving A > 1 attention ranks gets each peer's hidden states on
-its own thread. Each thread hands its (layer, tokens) to compute(); a call
-runs when every peer that is inside a step has handed something in (they
-are in lockstep, as vLLM data-parallel ranks are) or when the oldest pending
-call has waited window_s (a peer between steps, or slower). The pending calls
+An FFN rank gets each attention peer's hidden states on that peer's session
+thread (ffn/loop.py), and every session hands its (layer, tokens) to the one
+batcher of the rank. Peers join and leave at any time: the batcher only knows
+who is inside a step (begin/end). A call runs when every peer inside a step
+has handed something in (they are in lockstep, as vLLM data-parallel ranks
+are; a lone peer's call runs at once) or when the oldest pending call has
+waited window_s (a peer between steps, or slower). The pending calls
 are grouped by layer and gathered into one MoE input, computed once per layer,
 and each peer gets its rows of the output back (a view: no copy), so the FFN
 sees the tokens of all its peers in one batch (and their MoE routing, when it
@@ -15,6 +17,11 @@ fp8 arrive still packed (codec.Packed) and are unpacked straight into their
 rows of the MoE input: the gather is the unpack. A batch never exceeds
 max_tokens, the most the FFN was sized and warmed up for: more calls than that
 make several batches (a call is never split).
+
+Failures stay with their calls: an mlp call that raises fails the calls it
+was made of (each of their threads gets the exception), and nobody else's. A
+peer whose connection fails simply leaves (end), so the others stop waiting
+for it.
 """
 
 import threading
@@ -24,7 +31,6 @@ from collections.abc import Callable
 import torch
 
 from vllm.afd.transport.connectors.codec import Packed
-from vllm.afd.transport.errors import AFDConnectionError
 from vllm.afd.transport.wire import Routing
 
 # How long a pending call waits for the other peers' calls to join it.
@@ -32,13 +38,19 @@ DEFAULT_WINDOW_S = 0.002
 
 
 class _Call:
-    __slots__ = ("layer", "h", "peer", "routing", "out", "done")
+    __slots__ = ("layer", "h", "peer", "routing", "out", "error", "done")
 
     def __init__(self, layer: int, h: "torch.Tensor | Packed", peer: int,
                  routing: Routing | None = None) -> None:
         self.layer, self.h, self.peer, self.routing = layer, h, peer, routing
         self.out: torch.Tensor | None = None
+        self.error: BaseException | None = None  # its mlp call failed
         self.done = False
+
+    def result(self) -> torch.Tensor:
+        if self.error is not None:
+            raise self.error
+        return self.out
 
 
 class LayerBatcher:
@@ -54,7 +66,6 @@ class LayerBatcher:
         self.pending: list[_Call] = []
         self.active: set[int] = set()  # peers inside a step
         self.computing = False
-        self.error: BaseException | None = None
         self.batches = 0  # mlp calls made
         self.calls = 0  # compute() calls served
         self.largest = 0  # tokens of the largest mlp call made
@@ -68,11 +79,6 @@ class LayerBatcher:
             self.active.discard(peer)
             self.cv.notify_all()  # the others may no longer need to wait for it
 
-    def abort(self, error: BaseException) -> None:
-        with self.cv:
-            self.error = self.error or error
-            self.cv.notify_all()
-
     def compute(self, layer: int, h: "torch.Tensor | Packed", peer: int,
                 routing: Routing | None = None) -> torch.Tensor:
         if h.shape[0] > self.max_tokens:  # the connector's checks make this impossible
@@ -85,10 +91,7 @@ class LayerBatcher:
             deadline = time.monotonic() + self.window_s
             while True:
                 if call.done:
-                    return call.out
-                if self.error is not None:
-                    raise AFDConnectionError(f"AFD FFN: stopped serving attention rank "
-                                             f"{peer}: another peer failed ({self.error})")
+                    return call.result()
                 if not self.computing and self.pending:
                     waiting = {c.peer for c in self.pending}
                     if waiting >= self.active or time.monotonic() >= deadline:
@@ -101,14 +104,18 @@ class LayerBatcher:
                     self.cv.wait(max(deadline - time.monotonic(), 0.0))
         try:
             self._run(batch)
-        except BaseException as e:
-            self.abort(e)
+        except BaseException as e:  # not an mlp failure (those stay with their calls)
+            for c in batch:
+                c.error = c.error or e
             raise
         finally:
             with self.cv:
+                self.calls += len(batch)
+                for c in batch:
+                    c.done = True
                 self.computing = False
                 self.cv.notify_all()
-        return call.out
+        return call.result()
 
     def _run(self, batch: list[_Call]) -> None:
         by_layer: dict[int, list[_Call]] = {}
@@ -116,11 +123,11 @@ class LayerBatcher:
             by_layer.setdefault(c.layer, []).append(c)
         for layer, calls in by_layer.items():
             for group in self._within_budget(calls):
-                self._run_group(layer, group)
-        with self.cv:
-            self.calls += len(batch)
-            for c in batch:
-                c.done = True
+                try:
+                    self._run_group(layer, group)
+                except Exception as e:  # noqa: BLE001 - each of its calls raises it
+                    for c in group:
+                        c.error = e
 
     def _within_budget(self, calls: list[_Call]) -> list[list[_Call]]:
         """Consecutive groups of calls of at most max_tokens tokens each."""

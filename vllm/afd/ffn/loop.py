@@ -9,16 +9,22 @@ device and stream of whoever started it, and:
 
 1. warms up: every layer once per token bucket it will see (so compilation,
    JIT and autotuning happen before a peer waits on them), and only then
-2. listens. With one attention peer it serves it directly; with several
-   (A > F), one thread per peer receives and answers, and a LayerBatcher joins
-   their same-layer calls into mlp calls of at most max_tokens tokens. In a
-   tensor/expert-parallel FFN server every worker computes every token; only
-   the group's lead answers.
+2. listens, for as long as it runs: each attention peer that connects and
+   passes the handshake gets its own session (a connector holding only that
+   peer's link, see AFDConnector.accept_session) served by its own thread.
+   Peers join and leave at any time; a rank with a live session is refused
+   until that session ends, then may reconnect. All sessions hand their
+   calls to one LayerBatcher, which joins the same layer of every peer inside
+   a step into mlp calls of at most max_tokens tokens (a lone peer's calls
+   run at once). In a tensor/expert-parallel FFN server (one attention peer,
+   topology.py) every worker computes every token; only the group's lead
+   answers.
 
-A failing mlp call is reported to the attention side with its text (an
-ErrorFrame), so the attention server's error names it. A lost or misbehaving
-peer ends its session and the loop listens again; a configuration error
-stops the loop and is reported through status().
+A failing mlp call is reported to the attention peers whose tokens it held
+(an ErrorFrame), so their servers' errors name it, and ends their sessions. A
+lost or misbehaving peer (EOF, timeout, protocol error, its ErrorFrame) ends
+its own session only: the others' steps go on. A configuration error stops
+the loop and is reported through status().
 """
 
 import logging
@@ -36,7 +42,7 @@ from vllm.afd.observability.stats import LinkStats, now
 from vllm.afd.topology import FFNPlacement
 from vllm.afd.transport.auth import AuthConfigError
 from vllm.afd.transport.config import LinkConfig
-from vllm.afd.transport.connectors.base import AFDConnector, AFDTimeoutError
+from vllm.afd.transport.connectors.base import AFDConnector
 from vllm.afd.transport.connectors.registry import create_connector
 from vllm.afd.transport.device import DeviceContext
 from vllm.afd.transport.errors import error_kind
@@ -48,6 +54,8 @@ logger = logging.getLogger(__name__)
 Compute = Callable[[int, torch.Tensor, "Routing | None"], torch.Tensor]
 
 MAX_WARMUP_BUCKETS = 16
+# How often the accept loop looks at stop_event (close() wakes it sooner).
+ACCEPT_POLL_S = 1.0
 
 
 class FFNComputeError(RuntimeError):
@@ -97,7 +105,12 @@ class FFNLoop:
                              else list(warmup_sizes))
         self._on_thread = on_thread
         self.device: DeviceContext | None = None  # set by start()
-        self.connector: AFDConnector | None = None
+        self.gate: AFDConnector | None = None  # listens; each peer gets a session
+        self._sessions: dict[int, AFDConnector] = {}  # attention rank -> its live session
+        self._threads: dict[int, threading.Thread] = {}
+        self._lock = threading.Lock()
+        # Shared by every session: joins the same layer of the peers inside a step.
+        self.batcher = LayerBatcher(self._run_mlp, max_tokens=max_tokens)
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
         self.error: str | None = None  # fatal: the loop stopped
@@ -109,13 +122,11 @@ class FFNLoop:
         # For /metrics: totals over every session so far.
         self.compute_hist = Histogram(LATENCY_BUCKETS_S)
         self.tokens_hist = Histogram(TOKEN_BUCKETS)
-        self.sessions = 0  # times this rank started serving its attention peers
+        self.sessions = 0  # sessions started (one per accepted attention peer)
         self.errors: dict[str, int] = {}
-        self._bytes_closed = [0, 0]  # sent, received by connectors already closed
-        self._refusals_closed = [0, 0]  # auth, handshake failures of closed connectors
-        self.serving: list[int] = []  # the attention ranks being served now
-        self.last_refusal: str | None = None  # the last peer refused at the handshake
-        self.since = time.time()
+        self._bytes_closed = [0, 0]  # sent, received by sessions already closed
+        self.serving: list[int] = []  # the attention ranks with a live session
+        self.since = time.time()  # when serving last changed
 
     # --- lifecycle -------------------------------------------------------
     def start(self, device: DeviceContext | None = None) -> None:
@@ -126,11 +137,19 @@ class FFNLoop:
         self.thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Close the gate and every session (unblocking their receives), and
+        wait for the threads."""
         self.stop_event.set()
-        if self.connector is not None:
-            self.connector.close()  # unblocks a pending receive
-        if self.thread is not None:
-            self.thread.join(timeout)
+        if self.gate is not None:
+            self.gate.close()
+        with self._lock:
+            sessions, threads = list(self._sessions.values()), list(self._threads.values())
+        for conn in sessions:
+            conn.close()
+        deadline = time.monotonic() + timeout
+        for thread in [self.thread, *threads]:
+            if thread is not None:
+                thread.join(max(deadline - time.monotonic(), 0.0))
 
     def stats(self) -> LinkStats:
         total = LinkStats()
@@ -151,19 +170,18 @@ class FFNLoop:
                 "layers": list(self.layers), "link": self.document()}
 
     def _last_refusal(self) -> str | None:
-        conn = self.connector
-        return (getattr(conn, "last_refusal", None) if conn is not None else None) \
-            or self.last_refusal
+        return self.gate.last_refusal if self.gate is not None else None
 
     def document(self) -> dict:
         """State and counters of this FFN rank's link, for /metrics."""
-        conn = self.connector
-        sent, received = self._bytes_closed
-        auth, handshake = self._refusals_closed
-        if conn is not None:
-            sent, received = sent + conn.bytes_sent, received + conn.bytes_received
-            auth += conn.auth_failures
-            handshake += conn.handshake_failures
+        gate = self.gate
+        with self._lock:
+            sent, received = self._bytes_closed
+            for conn in self._sessions.values():
+                sent, received = sent + conn.bytes_sent, received + conn.bytes_received
+        # The gate counts the refusals of every session's handshake.
+        auth = gate.auth_failures if gate is not None else 0
+        handshake = gate.handshake_failures if gate is not None else 0
         stats = self.stats()
         return {"role": "ffn", "rank": self.placement.rank,
                 "peer": ",".join(f"attention rank {p}" for p in self.serving) or "-",
@@ -216,90 +234,107 @@ class FFNLoop:
                         self.warmup_sizes, self.warmup["seconds"])
 
     def _listen_loop(self) -> None:
+        try:
+            gate = create_connector(
+                self.config, hidden_size=self.hidden_size, dtype=self.dtype,
+                max_tokens=self.max_tokens, rank=self.placement.rank,
+                ffn_group=self.placement.group, routing_topk=self.routing_topk,
+                fingerprint=self.fingerprint, device=self.device.device,
+                **self.connector_kwargs)
+        except Exception as e:  # a configuration error: nothing to retry
+            self.error = f"{type(e).__name__}: {e}"
+            logger.error("AFD FFN loop cannot start: %s", self.error)
+            return
+        self.gate = gate
+        try:
+            if self._listen(gate):
+                self._accept_loop(gate)
+        finally:
+            gate.close()
+
+    def _listen(self, gate: AFDConnector) -> bool:
+        """Listen on the rank's address, retrying while it is taken (e.g. by a
+        server going away); False if the loop stopped or cannot serve."""
         while not self.stop_event.is_set():
             try:
-                self.connector = create_connector(
-                    self.config, hidden_size=self.hidden_size, dtype=self.dtype,
-                    max_tokens=self.max_tokens, rank=self.placement.rank,
-                    ffn_group=self.placement.group, routing_topk=self.routing_topk,
-                    fingerprint=self.fingerprint, device=self.device.device,
-                    **self.connector_kwargs)
-            except Exception as e:  # a configuration error: nothing to retry
-                self.error = f"{type(e).__name__}: {e}"
-                logger.error("AFD FFN loop cannot start: %s", self.error)
-                return
-            try:
-                self._serve_peers()
+                gate.listen()
+                return True
             except AuthConfigError as e:  # e.g. a public address without a secret
                 self.error = f"{type(e).__name__}: {e}"
                 logger.error("AFD FFN loop cannot serve: %s", self.error)
-                return
-            except AFDTimeoutError as e:
-                if self.serving:  # a peer stopped answering mid-step
-                    self._peer_failed(e)
-                continue  # otherwise nobody connected within timeout_s: keep waiting
+                return False
             except Exception as e:
                 if self.stop_event.is_set():
                     break
-                # A lost or misbehaving peer ends its conversation, not the server.
-                if not self.serving:  # e.g. the port is still taken: do not spin
-                    self.stop_event.wait(0.5)
-                self._peer_failed(e)
-            finally:
-                self.serving = []
-                self.since = time.time()
-                conn, self.connector = self.connector, None
-                if conn is not None:
-                    conn.close()
-                    self._bytes_closed[0] += conn.bytes_sent
-                    self._bytes_closed[1] += conn.bytes_received
-                    self._refusals_closed[0] += conn.auth_failures
-                    self._refusals_closed[1] += conn.handshake_failures
-                    self.last_refusal = conn.last_refusal or self.last_refusal
+                self._peer_failed(None, e)
+                self.stop_event.wait(0.5)  # do not spin while the port is taken
+        return False
 
-    def _peer_failed(self, error: BaseException) -> None:
+    def _accept_loop(self, gate: AFDConnector) -> None:
+        """Give each attention peer that comes its own session, any time."""
+        while not self.stop_event.is_set():
+            try:
+                # busy is read when a Hello arrives: a live view of the sessions.
+                conn = gate.accept_session(ACCEPT_POLL_S, busy=self._sessions.keys())
+            except Exception as e:
+                if self.stop_event.is_set():
+                    break
+                self._peer_failed(None, e)  # e.g. shared memory could not be reserved
+                self.stop_event.wait(0.5)
+                continue
+            if conn is None:
+                continue  # nobody came, or whoever came was refused (counted on the gate)
+            [peer] = conn.connected_peers
+            thread = threading.Thread(target=self._session, args=(peer, conn),
+                                      name=f"afd-ffn-peer-{peer}", daemon=True)
+            with self._lock:
+                if self.stop_event.is_set():  # stop() closed the others already
+                    conn.close()
+                    break
+                self._sessions[peer] = conn
+                self._threads[peer] = thread
+                self.sessions += 1
+                self._changed()
+            logger.info("AFD FFN rank %d (group %s) serving layers %s for attention rank %d "
+                        "(now serving %s)", self.placement.rank, self.placement.group,
+                        list(self.layers), peer, self.serving)
+            thread.start()
+
+    def _session(self, peer: int, conn: AFDConnector) -> None:
+        """One attention peer's session, on its own thread: it ends with that
+        peer (goodbye, or its failure) and touches nobody else's."""
+        try:
+            with self.device.entered(), torch.inference_mode():
+                self._serve_peer(peer, conn)
+        except BaseException as e:  # noqa: BLE001 - this peer's failure only
+            if not self.stop_event.is_set():
+                self._peer_failed(peer, e)
+        finally:
+            conn.close()
+            with self._lock:
+                if self._sessions.get(peer) is conn:
+                    del self._sessions[peer]
+                    self._threads.pop(peer, None)
+                self._bytes_closed[0] += conn.bytes_sent
+                self._bytes_closed[1] += conn.bytes_received
+                self._changed()
+
+    def _changed(self) -> None:
+        """The set of peers served changed (called with self._lock held)."""
+        self.serving = sorted(self._sessions)
+        self.since = time.time()
+
+    def _peer_failed(self, peer: int | None, error: BaseException) -> None:
         self.last_error = f"{type(error).__name__}: {error}"
         kind = error_kind(error)
         self.errors[kind] = self.errors.get(kind, 0) + 1
-        if self.serving:
-            logger.warning("AFD FFN rank %d: attention peer(s) %s lost: %s; waiting for the "
-                           "next one", self.placement.rank, self.serving, self.last_error)
+        if peer is not None:
+            logger.warning("AFD FFN rank %d: attention rank %d lost: %s; still serving %s",
+                           self.placement.rank, peer, self.last_error,
+                           [p for p in self.serving if p != peer])
         else:
             logger.warning("AFD FFN rank %d: %s; listening again", self.placement.rank,
                            self.last_error)
-
-    def _serve_peers(self) -> None:
-        self.connector.accept()
-        peers = self.connector.connected_peers
-        self.serving, self.since = list(peers), time.time()
-        self.sessions += 1
-        logger.info("AFD FFN rank %d (group %s) serving layers %s for attention rank(s) %s",
-                    self.placement.rank, self.placement.group, list(self.layers), peers)
-        if len(peers) == 1:
-            self._serve_peer(peers[0], lambda layer, h, peer, routing:
-                             self._run_mlp(layer, h, routing))
-            return
-        batcher = LayerBatcher(self._run_mlp, max_tokens=self.max_tokens)
-        errors: list[BaseException] = []
-        device = self.device
-
-        def serve(peer: int) -> None:
-            try:
-                with device.entered(), torch.inference_mode():
-                    self._serve_peer(peer, batcher.compute, batcher)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-                batcher.abort(e)
-                self.connector.close()  # the others' receives end too
-
-        threads = [threading.Thread(target=serve, args=(p,), name=f"afd-ffn-peer-{p}",
-                                    daemon=True) for p in peers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
 
     def _run_mlp(self, layer_idx: int, h: torch.Tensor,
                  routing: Routing | None = None) -> torch.Tensor:
@@ -316,39 +351,44 @@ class FFNLoop:
         self.tokens_hist.observe(h.shape[0])
         return out
 
-    def _serve_peer(self, peer: int, compute, batcher: LayerBatcher | None = None) -> None:
+    def _serve_peer(self, peer: int, conn: AFDConnector) -> None:
         """Serve one attention peer's steps until it says goodbye.
 
         Micro-batches come layer by layer: (layer 0, ubatch 0), (layer 0, ubatch
         1), ..., (layer 1, ubatch 0), ... While this side computes one, the
-        attention side computes attention for the next (ping-pong)."""
-        conn, answer = self.connector, self.placement.is_lead
+        attention side computes attention for the next (ping-pong). A resumed
+        step (StepHeader.from_layer) skips, per micro-batch, the layers done
+        elsewhere."""
+        answer, batcher = self.placement.is_lead, self.batcher
         stats = self.peer_stats.setdefault(peer, LinkStats())
         while not self.stop_event.is_set():
             header = conn.recv_step(peer)
             if header.is_goodbye or header.is_shutdown:
                 logger.info("AFD FFN: attention rank %d said goodbye", peer)
                 return
-            num_ubatches = len(header.num_tokens)
-            if batcher is not None:
-                batcher.begin(peer)
+            num_tokens, from_layer = header.num_tokens, header.from_layer
+            batcher.begin(peer)
             t_step = now()
-            routed = 0
+            calls = tokens = routed = 0
             try:
                 for layer_idx in self.layers:
-                    for u in range(num_ubatches):
+                    for u in range(len(num_tokens)):
+                        if from_layer and layer_idx < from_layer[u]:
+                            continue  # done before the failover, elsewhere
                         t0 = now()
-                        # With a batcher, fp8 hidden states stay packed: it
-                        # unpacks them straight into the joined MoE input.
-                        h = conn.recv_hidden(peer, layer_idx, u, defer=batcher is not None)
+                        # fp8 hidden states stay packed: the batcher unpacks
+                        # them straight into the joined MoE input.
+                        h = conn.recv_hidden(peer, layer_idx, u, defer=True)
                         routing = self._routing_of(conn, peer, layer_idx, u)
                         t1 = now()
                         try:
-                            out = compute(layer_idx, h, peer, routing)
+                            out = batcher.compute(layer_idx, h, peer, routing)
                         except FFNComputeError as e:
                             # The attention side fails with this text, not "goodbye".
                             conn.report_error(str(e))
                             raise
+                        calls += 1
+                        tokens += num_tokens[u]
                         routed += routing is not None
                         t2 = now()
                         if answer:
@@ -356,13 +396,12 @@ class FFNLoop:
                         stats.wait_s += t1 - t0
                         stats.send_s += now() - t2
             finally:
-                if batcher is not None:
-                    batcher.end(peer)
+                batcher.end(peer)
             stats.step_wall_s += now() - t_step
             stats.steps += 1
-            stats.layer_calls += len(self.layers) * num_ubatches
+            stats.layer_calls += calls
             stats.routed_calls += routed
-            stats.tokens += len(self.layers) * sum(header.num_tokens)
+            stats.tokens += tokens
 
     def _routing_of(self, conn: AFDConnector, peer: int, layer_idx: int,
                     ubatch: int) -> Routing | None:

@@ -17,6 +17,7 @@ unauthenticated peer learns nothing about the model being served.
 
 import logging
 from collections import deque
+from collections.abc import Collection
 from typing import Any, ClassVar
 
 from vllm.afd.transport import auth, wire
@@ -53,6 +54,9 @@ class HandshakeMixin:
         self.auth_failures = 0
         # FFN side: "<peer>: <reason>" of the latest refused peers, oldest first.
         self.refusals: deque[str] = deque(maxlen=REFUSALS_KEPT)
+        # FFN side: attention ranks served elsewhere (the other sessions of the
+        # gate, see AFDConnector.accept_session), refused as already connected.
+        self._busy: Collection[int] = ()
 
     @property
     def has_secret(self) -> bool:
@@ -106,7 +110,7 @@ class HandshakeMixin:
             differ("max_tokens", f"at most {self.max_tokens}", hello.max_tokens)
         if hello.rank not in self.expected_peers():
             differ("rank", f"one of {self.expected_peers()}", hello.rank)
-        elif hello.rank in self._links:
+        elif hello.rank in self._links or hello.rank in self._busy:
             problems.append(f"rank: attention rank {hello.rank} is already connected")
         unavailable = wire.FINGERPRINT_UNAVAILABLE
         for key in sorted(set(hello.fingerprint) & set(self.fingerprint)):
@@ -223,6 +227,8 @@ class HandshakeMixin:
             self._refuse(key, label, "; ".join(problems), deadline)
         peer = hello.rank
         self._links[peer] = self._links.pop(key)
+        if hasattr(self._links[peer], "name"):  # links that name their peer in messages
+            self._links[peer].name = label
         try:
             ack = HelloAck(accepted=True, rank=self.rank, group=self.ffn_group,
                            transport=self._ack_transport(peer, hello.transport))

@@ -48,11 +48,25 @@ Contract shared by every transport (the checks live here, once):
     for its own peer (per-peer state is keyed by peer). close() may come from
     any thread to interrupt a blocked connect or receive; the blocked call then
     raises AFDConnectionError ("... was closed ...").
+
+Two ways to be the FFN side:
+  * accept() (connect()): wait until every expected attention peer has
+    connected, and serve them all through this one connector; a failure of
+    one makes it unusable for all. Later knocks are refused (tcp: a
+    gatekeeper thread answers them) while it is connected.
+  * Per-peer sessions (what the FFN server's loop uses): listen() once, then
+    accept_session() repeatedly on this connector, the gate. Each accepted
+    peer gets a fresh connector of the same class and configuration holding
+    only that peer's link: its session, driven by its own thread, closed
+    alone when that peer leaves or fails. Peers come and go at any time; a
+    rank with a live session is refused ("already connected") until it ends.
+    The handshake counters and refusals of every session add up on the gate.
 """
 
 import logging
 import threading
 import time
+from collections.abc import Collection
 from typing import Any
 
 import msgspec
@@ -87,6 +101,11 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
         """config: a LinkConfig (or an AFDConfig, read field by field).
         device: where received tensors go (the consumer's device)."""
         config = LinkConfig.of(config)
+        # What a session (accept_session) is built with: this connector's twin.
+        self._init_kwargs: dict[str, Any] = dict(
+            hidden_size=hidden_size, dtype=dtype, max_tokens=max_tokens, rank=rank,
+            fingerprint=fingerprint, ffn_rank=ffn_rank, ffn_group=ffn_group,
+            routing_topk=routing_topk, device=device)
         if hidden_size < 1 or max_tokens < 1:
             raise ValueError(f"AFD connector: hidden_size ({hidden_size}) and max_tokens "
                              f"({max_tokens}) must be >= 1")
@@ -140,6 +159,7 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
         self._closed = False
         self._failure: str | None = None
         self._closing = threading.Event()  # lets close() interrupt connect()'s waits
+        self._admitting: AFDConnector | None = None  # a session in its handshake (gate)
         self._announced: dict[int, int] = {}  # peer -> payload length of its last message
         self._views: dict[Any, tuple] = {}  # see _typed_view
         self._init_attention_state()
@@ -188,13 +208,72 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
         """The FFN side's connect(): wait for its attention ranks."""
         self.connect()
 
+    # ------------------------------------------- FFN side: per-peer sessions
+    def listen(self) -> None:
+        """FFN side: start listening for attention peers (once), to take them
+        one by one with accept_session(). This connector, the gate, serves no
+        peer itself; close() stops listening."""
+        if self.is_attention:
+            raise ValueError(f"{self.me}: listen() is the FFN side's API")
+        if self._closed:
+            raise AFDConnectionError(f"{self.me}: listen() after close()")
+        self._listen()
+        logger.info("%s listening via %s at %s", self.me, self.name, self.address)
+
+    def accept_session(self, timeout: float,
+                       busy: Collection[int] = ()) -> "AFDConnector | None":
+        """FFN side, after listen(): wait up to timeout seconds for one
+        attention peer, handshake it on a fresh connector of this class and
+        configuration and return that connector, connected to this one peer
+        (its session). None when nobody came, or when whoever came was
+        refused or dropped (told why, logged, and counted here: see
+        handshake_failures, auth_failures, refusals).
+
+        busy: attention ranks with a live session, refused as already
+        connected. It is consulted when the Hello arrives: pass a live view
+        (a dict's keys()) so a session that ended meanwhile frees its rank."""
+        incoming = self._next_link(timeout)
+        if incoming is None:
+            if self._closed:
+                raise AFDConnectionError(f"{self.me} was closed while it waited for "
+                                         f"attention peers at {self.address}")
+            return None
+        link, source = incoming
+        session = type(self)(self.afd_config, **self._init_kwargs)
+        session._busy = busy
+        self._admitting = session  # close() of the gate interrupts the handshake
+        peer = None
+        try:
+            if self._closed:
+                raise AFDConnectionError(f"{self.me} was closed")
+            peer = session._handshake_as_ffn(link, source,
+                                             time.monotonic() + self._hello_timeout())
+        finally:
+            self._admitting = None
+            self.handshake_failures += session.handshake_failures
+            self.auth_failures += session.auth_failures
+            self.refusals.extend(session.refusals)
+            if peer is None:
+                link.close()
+                session.close()
+        if peer is None:
+            return None
+        session._connected = True
+        logger.info("%s: session with %s via %s at %s", self.me, session.peer_name(peer),
+                    self.name, self.address)
+        return session
+
     def close(self) -> None:
         """Say goodbye to the peers (best effort) and release sockets, buffers
-        and shared memory. Idempotent."""
+        and shared memory. Idempotent. A gate's sessions are not closed with
+        it (each has its own close)."""
         if self._closed:
             return
         self._closed = True
         self._closing.set()
+        admitting = self._admitting
+        if admitting is not None:
+            admitting.close()
         if self._connected and self._failure is None:
             goodbye = StepHeader(step_id=0, num_tokens=[], flags=wire.GOODBYE)
             self._farewell(goodbye)

@@ -9,6 +9,8 @@
             conn.send_output(peer, layer, u, mlp(h, conn.routing(peer, u)))
 
 After connect(), one thread per peer may drive its own peer's conversation.
+A session from accept_session() (base.py) holds one peer, driven by its own
+thread; the FFN server's loop gives each attention peer one.
 Mixed into AFDConnector (base.py), whose message helpers it uses.
 """
 

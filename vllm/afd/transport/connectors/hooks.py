@@ -21,7 +21,7 @@ act on them:
 """
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -46,6 +46,26 @@ class TransportHooks(ABC):
     @abstractmethod
     def _open(self, deadline: float) -> None:
         """Rendezvous with the peer(s), run the handshake and fill self._links."""
+
+    # FFN side, per-peer sessions (AFDConnector.listen / accept_session). Not
+    # abstract: a transport without them still serves through accept().
+    def _listen(self) -> None:
+        """Start listening for attention peers (bind the address); raise
+        AFDConnectionError when it is taken."""
+        raise NotImplementedError(f"connector {self.name!r} cannot serve per-peer "
+                                  f"sessions: it does not implement _listen/_next_link")
+
+    def _next_link(self, timeout: float) -> "tuple[Any, str] | None":
+        """The next incoming raw link and a description of its source, waiting
+        up to timeout seconds; None on timeout or once close() was called.
+        The link is not handshaken yet."""
+        raise NotImplementedError(f"connector {self.name!r} cannot serve per-peer "
+                                  f"sessions: it does not implement _listen/_next_link")
+
+    def _hello_timeout(self) -> float:
+        """Seconds an incoming peer has for its handshake (a silent client must
+        not hold the FFN's accept loop for long)."""
+        return self.timeout_s
 
     @abstractmethod
     def _transmit(self, peer: int, header: bytes, frame: LayerFrame | None,

@@ -121,13 +121,30 @@ class LoopbackConnector(AFDConnector):
             _listeners[self.key].put(theirs)
         self._links[0] = mine
 
-    def _accept_peers(self, deadline: float) -> None:
+    def _listen(self) -> None:
         with _listeners_changed:
             if self.key in _listeners:
                 raise AFDConnectionError(f"{self.me} cannot listen on {self.address}: "
                                          f"another FFN connector listens there")
-            incoming = self._incoming = _listeners[self.key] = queue.Queue()
+            self._incoming = _listeners[self.key] = queue.Queue()
             _listeners_changed.notify_all()
+
+    def _next_link(self, timeout: float) -> "tuple[QueueLink, str] | None":
+        incoming = self._incoming
+        if incoming is None:
+            if self._closing.is_set():
+                return None
+            raise AFDConnectionError(f"{self.me}: not listening on {self.address}")
+        try:
+            link = incoming.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return None
+        if link is None:  # close() from another thread
+            return None
+        return link, link.name
+
+    def _accept_peers(self, deadline: float) -> None:
+        self._listen()
         expected = self.expected_peers()
         missing = lambda: [p for p in expected if p not in self._links]  # noqa: E731
         on_wait = self._waiter(f"attention rank(s) {missing()} to connect", deadline,
@@ -137,14 +154,12 @@ class LoopbackConnector(AFDConnector):
                 deadline, f"attention rank(s) {missing()} on {self.address}",
                 f"{self.me} waited {self.timeout_s:g}s on {self.address} for attention "
                 f"rank(s) {missing()} to connect")
-            try:
-                link = incoming.get(timeout=min(remaining, LOG_INTERVAL_S))
-            except queue.Empty:
+            incoming = self._next_link(min(remaining, LOG_INTERVAL_S))
+            if incoming is None:
                 on_wait()
                 continue
-            if link is None:  # close() from another thread
-                continue
-            if self._handshake_as_ffn(link, link.name, deadline) is None:
+            link, source = incoming
+            if self._handshake_as_ffn(link, source, deadline) is None:
                 link.close()
         self._stop_listening()
 
@@ -153,7 +168,7 @@ class LoopbackConnector(AFDConnector):
             if self._incoming is not None:
                 if _listeners.get(self.key) is self._incoming:
                     del _listeners[self.key]
-                self._incoming.put(None)  # wakes _accept_peers if another thread closes us
+                self._incoming.put(None)  # wakes _next_link if another thread closes us
             self._incoming = None
 
     def _transmit(self, peer: int, header: bytes, frame: LayerFrame | None,

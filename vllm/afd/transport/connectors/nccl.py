@@ -128,7 +128,7 @@ class NcclConnector(TcpConnector):
                              f"{communicator_factory.device_types}, got {self.device} (the "
                              f"worker passes its device)")
         self._factory = communicator_factory
-        # The gatekeeper (tcp.py) builds a twin of this connector.
+        # Sessions (base.py accept_session) are twins of this connector.
         self._init_kwargs = dict(self._init_kwargs, communicator_factory=communicator_factory)
         self._comm_rank = ATTENTION_COMM_RANK if self.is_attention else FFN_COMM_RANK
         self._other = 1 - self._comm_rank

@@ -23,7 +23,9 @@ asynchronously on the consumer's current stream; an event guards the slot,
 which the peer may overwrite only after this side's next message, sent once
 the copy out of it has finished.
 
-Segment lifetime: names are vllm-afd-<port>-<peer>-<a2f|f2a>-<random>. The
+Segment lifetime: names are vllm-afd-<port>-<peer>-<a2f|f2a>-<random>, made
+by the connector that accepted the peer (a session of the listening gate, see
+base.py), which releases them on close; the gate holds only the listener. The
 attention side unlinks both names as soon as it has mapped them (both sides
 now hold mappings, the memory lives until the last one goes), so nothing is
 left in /dev/shm even if either process is then SIGKILLed. The FFN (creator)

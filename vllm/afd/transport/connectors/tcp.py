@@ -4,6 +4,8 @@
 
 The FFN rank listens on host:port (+ its rank), attention ranks connect;
 either may start first (the attention side retries until timeout_s). Each
+accepted connection becomes a session of its own (base.py accept_session), or
+one of the peers of a connector that accept()ed them all. Each
 message is one frame:
 
     [prefix: magic b"AFD1", u32 header length, u64 payload length]
@@ -202,7 +204,6 @@ class TcpConnector(AFDConnector):
 
     def __init__(self, afd_config, **kwargs) -> None:
         super().__init__(afd_config, **kwargs)
-        self._init_kwargs = kwargs  # for the gatekeeper's handshakes (_keep_the_gate)
         self._gatekeeper: threading.Thread | None = None
         self.host = self.afd_config.host_of(self.ffn_rank)
         self.port = self.afd_config.port + self.ffn_rank
@@ -282,79 +283,79 @@ class TcpConnector(AFDConnector):
                     f"{self.me} cannot listen on {self.address}: {e.strerror or e}; is "
                     f"another FFN server using this port?") from None
 
-    def _accept_peers(self, deadline: float) -> None:
-        expected = self.expected_peers()
-        missing = lambda: [p for p in expected if p not in self._links]  # noqa: E731
-        on_wait = self._waiter(f"attention rank(s) {missing()} to connect", deadline,
-                               connecting=True)
+    def _next_link(self, timeout: float) -> "tuple[SocketLink, str] | None":
         listener = self._listener  # close() from another thread may reset the attribute
-        while missing():
-            remaining = self._wait_budget(
-                deadline, f"attention rank(s) {missing()} on {self.address}",
-                f"{self.me} waited {self.timeout_s:g}s on {self.address} for attention "
-                f"rank(s) {missing()} to connect; is the attention server running with "
-                f"the same host, port and connector '{self.name}'?{self._refusal_note()}")
+        if listener is None:
+            if self._closing.is_set():
+                return None
+            raise AFDConnectionError(f"{self.me}: not listening on {self.address}")
+        end = time.monotonic() + timeout
+        while not self._closing.is_set():
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                return None
             try:
                 # Short: close() cannot wake an accept on a unix listener, and the
                 # address stays bound until that accept returns.
                 listener.settimeout(min(remaining, GATE_POLL_S))
                 sock, addr = listener.accept()
             except socket.timeout:
-                on_wait()
                 continue
             except OSError as e:  # close() from another thread shut the listener
                 if self._closing.is_set():
-                    continue
+                    return None
                 raise AFDConnectionError(f"{self.me}: accepting on {self.address} failed: "
                                          f"{e.strerror or e}") from None
             configure_socket(sock)
             source = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "local peer"
-            link = SocketLink(sock, f"connection from {source}", self.timeout_s)
-            hello_deadline = min(deadline, time.monotonic() + HELLO_TIMEOUT_S)
-            peer = self._handshake_as_ffn(link, source, hello_deadline)
-            if peer is None:
-                link.close()
+            return SocketLink(sock, f"connection from {source}", self.timeout_s), source
+        return None
+
+    def _hello_timeout(self) -> float:
+        return min(self.timeout_s, HELLO_TIMEOUT_S)
+
+    def _accept_peers(self, deadline: float) -> None:
+        expected = self.expected_peers()
+        missing = lambda: [p for p in expected if p not in self._links]  # noqa: E731
+        on_wait = self._waiter(f"attention rank(s) {missing()} to connect", deadline,
+                               connecting=True)
+        while missing():
+            remaining = self._wait_budget(
+                deadline, f"attention rank(s) {missing()} on {self.address}",
+                f"{self.me} waited {self.timeout_s:g}s on {self.address} for attention "
+                f"rank(s) {missing()} to connect; is the attention server running with "
+                f"the same host, port and connector '{self.name}'?{self._refusal_note()}")
+            incoming = self._next_link(min(remaining, LOG_INTERVAL_S))
+            if incoming is None:
+                on_wait()
                 continue
-            link.name = f"{self.peer_name(peer)} ({source})"
+            link, source = incoming
+            hello_deadline = min(deadline, time.monotonic() + self._hello_timeout())
+            if self._handshake_as_ffn(link, source, hello_deadline) is None:
+                link.close()
         # All peers are here. Keep the port: whoever knocks during the session is
         # told why it cannot join (its mismatches, or that its rank is taken).
-        self._keep_the_gate(listener)
+        self._keep_the_gate()
 
-    def _keep_the_gate(self, listener: socket.socket) -> None:
-        """Answer connections that arrive while this FFN rank serves its peers:
-        a handshake by a separate, never-connected connector of the same
-        configuration (so no state of the running session is touched), which
-        refuses every Hello, naming each problem; counters and refusals are
-        added to this connector's."""
-        gate = type(self)(self.afd_config, **self._init_kwargs)
-        gate._links = {peer: None for peer in self.connected_peers}  # "already connected"
+    def _keep_the_gate(self) -> None:
+        """Answer connections that arrive while this connector serves its peers:
+        accept_session() with every peer busy, so each Hello is refused, naming
+        each problem, by a separate connector (no state of the running session
+        is touched); counters and refusals add up on this connector."""
+        busy = frozenset(self.connected_peers)
 
         def run() -> None:
             while not self._closing.is_set():
                 try:
-                    # Short: a blocked accept keeps the port bound after close()
-                    # until it returns, and the next session listens on it.
-                    listener.settimeout(GATE_POLL_S)
-                    sock, addr = listener.accept()
-                except socket.timeout:
-                    continue
-                except OSError:
-                    return  # close() shut the listener
-                configure_socket(sock)
-                source = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "local peer"
-                link = SocketLink(sock, f"connection from {source}", self.timeout_s)
-                before = (gate.handshake_failures, gate.auth_failures)
-                gate.refusals.clear()
-                try:
-                    gate._handshake_as_ffn(link, source, time.monotonic() + HELLO_TIMEOUT_S)
+                    stray = self.accept_session(GATE_POLL_S, busy)
                 except Exception as e:  # noqa: BLE001 - the session must go on
-                    logger.warning("%s: handshake with %s during a session failed: %s",
-                                   self.me, source, e)
-                finally:
-                    link.close()
-                self.handshake_failures += gate.handshake_failures - before[0]
-                self.auth_failures += gate.auth_failures - before[1]
-                self.refusals.extend(gate.refusals)
+                    if self._closing.is_set():
+                        return  # close() shut the listener
+                    logger.warning("%s: handshake during a session failed: %s", self.me, e)
+                    self._closing.wait(GATE_POLL_S)  # e.g. out of file descriptors
+                    continue
+                if stray is not None:  # cannot happen: every expected rank is busy
+                    stray.close()
 
         self._gatekeeper = threading.Thread(target=run, name=f"afd-gate-{self.port}",
                                             daemon=True)
