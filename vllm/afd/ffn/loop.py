@@ -259,7 +259,8 @@ class FFNLoop:
             try:
                 gate.listen()
                 return True
-            except AuthConfigError as e:  # e.g. a public address without a secret
+            except (AuthConfigError, NotImplementedError) as e:
+                # A public address without a secret; a transport without sessions.
                 self.error = f"{type(e).__name__}: {e}"
                 logger.error("AFD FFN loop cannot serve: %s", self.error)
                 return False
