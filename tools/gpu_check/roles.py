@@ -113,14 +113,17 @@ class AttentionRole:
 
     def __init__(self, connector: str, port: int, device: str, dtype: torch.dtype,
                  gate_on_attention: bool = False, on_thread=None,
-                 context: DeviceContext | None = None, transfer: str = "auto") -> None:
+                 context: DeviceContext | None = None, transfer: str = "auto",
+                 config: LinkConfig | None = None) -> None:
         """context: the device and stream the link's threads and the steps run
-        on (default: the current stream of device)."""
+        on (default: the current stream of device). config: the link's (default:
+        link_config(connector, port, ...))."""
         self.model = build_model(device, dtype)
         self.device, self.dtype = device, dtype
         self.context = context
         self.gate_on_attention = gate_on_attention
-        self.link = AttentionLink(link_config(connector, port, "attention", transfer=transfer),
+        config = config or link_config(connector, port, "attention", transfer=transfer)
+        self.link = AttentionLink(config,
                                   hidden_size=self.model.hidden, dtype=dtype,
                                   max_tokens=MAX_TOKENS, rank=0,
                                   device=context or DeviceContext.current(device),

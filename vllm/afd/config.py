@@ -70,6 +70,18 @@ class AFDConfig:
     port: int = 7700
     """Port of the FFN server's rendezvous socket (1-65535)."""
 
+    ffn_pool: list[str] = field(default_factory=list)
+    """Attention role: FFN deployments that can serve the same FFN ranks, as
+    "host:port" (each one's `port`; its FFN rank f listens on port + f). Each step
+    goes to the next ready one (round robin over steps); when one fails mid-step,
+    the step's unfinished layer calls go again to another and the step completes.
+    Empty: the one deployment at host (ffn_hosts) and port."""
+
+    ffn_pool_file: str | None = None
+    """Attention role: a file listing more ffn_pool members, one "host:port" per
+    line ('#' starts a comment), re-read every second: members added are used
+    without a restart, members removed are closed once no step uses them."""
+
     num_attention_ranks: int = 1
     """Total number of attention worker ranks feeding the FFN servers."""
 
@@ -137,6 +149,7 @@ class AFDConfig:
             raise ValueError("AFDConfig.ffn_hosts: an address must not be empty")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"AFDConfig.port: {self.port} is not in 1-65535")
+        self._check_pool()
         for name in ("num_attention_ranks", "num_ffn_ranks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"AFDConfig.{name}: must be >= 1, got {getattr(self, name)}")
@@ -153,6 +166,30 @@ class AFDConfig:
             raise ValueError(f"AFDConfig.timeout_s: must be > 0, got {self.timeout_s}")
         self.transfer_dtype = _transfer_dtypes(self.transfer_dtype)
         self._check_security()
+
+    def _check_pool(self) -> None:
+        from vllm.afd.transport.config import parse_endpoint
+
+        if not (self.ffn_pool or self.ffn_pool_file is not None):
+            return
+        if self.is_ffn:
+            raise ValueError("AFDConfig.ffn_pool / ffn_pool_file: only the attention role "
+                             "has a pool (an FFN server listens on its own host and port)")
+        if self.ffn_hosts:
+            raise ValueError("AFDConfig.ffn_pool: each pool member serves all its FFN ranks "
+                             "from one host; ffn_hosts cannot be combined with it")
+        if self.ffn_pool_file is not None and not self.ffn_pool_file.strip():
+            raise ValueError("AFDConfig.ffn_pool_file: must not be empty (omit it for no "
+                             "file)")
+        seen = set()
+        for endpoint in self.ffn_pool:
+            host, port = parse_endpoint(endpoint, "AFDConfig.ffn_pool")
+            if port + self.num_ffn_ranks - 1 > 65535:
+                raise ValueError(f"AFDConfig.ffn_pool: {endpoint!r}: its FFN ranks would "
+                                 f"listen on ports {port}-{port + self.num_ffn_ranks - 1}")
+            if (host, port) in seen:
+                raise ValueError(f"AFDConfig.ffn_pool: {endpoint!r} is listed twice")
+            seen.add((host, port))
 
     def _check_security(self) -> None:
         # Imported here: this module is imported while vllm.config loads.

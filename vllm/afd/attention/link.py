@@ -30,6 +30,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,20 +39,18 @@ import torch
 
 from vllm.afd.attention import pingpong
 from vllm.afd.attention import status as link_status
+from vllm.afd.attention.pool import Pool
 from vllm.afd.observability.metrics import LATENCY_BUCKETS_S, Histogram
 from vllm.afd.observability.stats import LinkStats, now
 from vllm.afd.transport.config import LinkConfig
-from vllm.afd.transport.connectors.registry import create_connector
 from vllm.afd.transport.device import DeviceContext
-from vllm.afd.transport.errors import AFDLinkDown, error_kind
-from vllm.afd.transport.wire import ProtocolError, Routing, StepHeader
+from vllm.afd.transport.errors import AFDLinkDown
+from vllm.afd.transport.wire import Routing, StepHeader
 
 logger = logging.getLogger(__name__)
 
-# Between connection attempts after a failure (an attempt itself dials for up
-# to timeout_s, retrying every 0.05-0.5 s).
-RECONNECT_BACKOFF_S = (0.5, 5.0)
 PUBLISH_INTERVAL_S = 1.0
+LAST_FAILOVERS_KEPT = 64  # failover times kept for /afd/status
 
 # What a step is, as the runner names it.
 REAL, PROFILE, WARMUP, CAPTURE = "real", "profile", "warmup", "capture"
@@ -89,7 +88,7 @@ class AttentionLink:
         self.max_tokens = max_tokens
         self.rank = rank
         self.fingerprint = dict(fingerprint or {})
-        # Where the supervisor connects (nccl sets up on this device).
+        # Where the supervisors connect (nccl sets up on this device).
         self.device = device or DeviceContext("cpu")
         self.connector_kwargs = dict(connector_kwargs or {})
         self._on_thread = on_thread  # tests: which context each thread entered
@@ -98,19 +97,19 @@ class AttentionLink:
         self.step_id = 0
         self.plan: StepPlan | None = None  # the step in progress
         self.dummy_runs: dict[str, int] = {}  # runs per kind that never touched the link
-        self.connector = None  # the FFN rank that answers (its group's lead)
-        self.followers: list = []  # the other ranks of its group: they only listen
         self.stats = LinkStats()
         self.round_trip = Histogram(LATENCY_BUCKETS_S)
-        ffn_rank = rank % self.config.num_ffn_ranks
-        self.peer = (f"FFN rank {ffn_rank} ({self.config.connector} "
-                     f"{self.config.host_of(ffn_rank)}:{self.config.port + ffn_rank})")
+        # Failovers: a member lost mid-step, the step finished on another one.
+        self.failovers = 0
+        self.resent_calls = 0  # layer calls sent again to the member that took over
+        self.failover_time = Histogram(LATENCY_BUCKETS_S)  # error -> the output, resent
+        self.last_failovers: deque[float] = deque(maxlen=LAST_FAILOVERS_KEPT)
         self.state = link_status.STARTING
         self.since = time.time()
         self.last_error: str | None = None
-        self.errors: dict[str, int] = {}
-        self.connects = 0
-        self._bytes_closed = [0, 0]  # sent, received by connectors already closed
+        self._member = None  # the pool member of the step in progress
+        self._pending: dict[int, tuple] = {}  # ubatch -> (layer, hidden, routing) in flight
+        self._done: list[int] = []  # per ubatch: layer calls finished this step
         self._step_start = 0.0
         self._step_calls_left = 0
         self._lock = threading.Lock()
@@ -118,9 +117,16 @@ class AttentionLink:
         self._publish_lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = threading.Event()
-        self._connecting: list = []  # connectors being connected: close() interrupts them
         self._thread: threading.Thread | None = None
-        self._last_logged = ""
+        self.pool = Pool(self.config, rank=rank, device=self.device,
+                         connector_kwargs=self._connector_kwargs, lock=self._lock,
+                         on_state=self._refresh_state, publish=self._publish,
+                         in_step=lambda m: self.plan is not None and self._member is m,
+                         on_thread=on_thread)
+        ffn_rank = rank % self.config.num_ffn_ranks
+        members = self.pool.members
+        self.peer = members[0].name if len(members) == 1 and not self.config.ffn_pool_file \
+            else f"FFN rank {ffn_rank} (pool: {', '.join(m.endpoint for m in members)})"
 
     def add_layer(self, layer_idx: int, routing_topk: int = 0) -> None:
         """Register a remote layer; routing_topk > 0: it sends routing that wide."""
@@ -129,125 +135,82 @@ class AttentionLink:
             self.layers.sort()
         self.routing_topk = max(self.routing_topk, routing_topk)
 
+    def _connector_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(hidden_size=self.hidden_size, dtype=self.dtype,
+                      max_tokens=self.max_tokens, routing_topk=self.routing_topk,
+                      device=self.device.device, **self.connector_kwargs)
+        if self.fingerprint:
+            kwargs["fingerprint"] = self.fingerprint
+        return kwargs
+
+    @property
+    def connector(self):
+        """The answering connector of the first ready member (None: none is up)."""
+        ready = self.pool.ready_members()
+        return ready[0].lead if ready else None
+
+    @property
+    def connects(self) -> int:
+        return sum(m.connects for m in self.pool.members)
+
+    @property
+    def errors(self) -> dict[str, int]:
+        merged: dict[str, int] = {}
+        for m in self.pool.members:
+            for kind, count in m.errors.items():
+                merged[kind] = merged.get(kind, 0) + count
+        return merged
+
     # ----------------------------------------------------------- supervision
     def start(self) -> None:
-        """Start keeping the connection (after the model registered its layers)."""
+        """Start keeping the connections (after the model registered its layers)."""
         with self._lock:
             if self._thread is not None or self._closed.is_set():
                 return
             self._thread = threading.Thread(target=self._supervise, name="afd-link",
                                             daemon=True)
             self._thread.start()
+        self.pool.start()
 
     def _supervise(self) -> None:
+        """Publish the state every second and follow ffn_pool_file (each member
+        keeps its own connection: pool.py)."""
         with self.device.entered() as context:
             if self._on_thread is not None:
                 self._on_thread("afd-link", context)
-            self._supervise_loop()
-
-    def _supervise_loop(self) -> None:
-        backoff = RECONNECT_BACKOFF_S[0]
-        while not self._closed.is_set():
-            if self.connector is None:
-                with self._lock:
-                    if self.state == link_status.STARTING:
-                        self._set_state(link_status.CONNECTING)
+            while not self._closed.is_set():
+                if self.config.ffn_pool_file:
+                    self.pool.sync()
                 self._publish()
-                try:
-                    lead, followers = self._connect()
-                except Exception as e:  # noqa: BLE001 - kept as the link's state
-                    if self._closed.is_set():
-                        break
-                    refused = isinstance(e, ProtocolError)
-                    with self._lock:
-                        self._count_error(e)
-                        self._set_state(
-                            link_status.REFUSED if refused else
-                            link_status.DOWN if self.connects else link_status.CONNECTING,
-                            error=f"{type(e).__name__}: {e}")
-                    # The same failure again (an FFN still down or still
-                    # mismatched) is logged once, then at debug level.
-                    repeated = str(e) == self._last_logged
-                    self._last_logged = str(e)
-                    (logger.debug if repeated else logger.error if refused else logger.warning)(
-                        "AFD attention rank %d: no link to %s: %s; retrying every %.0f-%.0fs",
-                        self.rank, self.peer, e, *RECONNECT_BACKOFF_S)
-                    self._publish()
-                    self._wake.wait(backoff)
-                    self._wake.clear()
-                    backoff = min(backoff * 2, RECONNECT_BACKOFF_S[1])
-                    continue
-                with self._lock:
-                    if self._closed.is_set():
-                        for c in [lead, *followers]:
-                            c.close()
-                        break
-                    self.connector, self.followers = lead, followers
-                    self.connects += 1
-                    self._set_state(link_status.READY)
-                backoff = RECONNECT_BACKOFF_S[0]
-                logger.info("AFD attention rank %d: link to %s is up%s", self.rank, self.peer,
-                            f" (reconnect {self.connects - 1})" if self.connects > 1 else "")
-            else:
-                self._check_idle_peer()
-            self._publish()
-            self._wake.wait(PUBLISH_INTERVAL_S)
-            self._wake.clear()
+                self._wake.wait(PUBLISH_INTERVAL_S)
+                self._wake.clear()
         self._publish()
 
-    def _check_idle_peer(self) -> None:
-        """Between steps nobody reads the link: notice an FFN that went away
-        (said goodbye on SIGTERM, or died) so /health says so before the next
-        request fails on it."""
-        with self._lock:
-            if self.plan is not None:
-                return  # a step reads the link now and notices by itself
-            connectors = ([self.connector] if self.connector is not None else []) \
-                + self.followers
-            gone = [c for c in connectors if c.peer_closed()]
-            if not gone:
-                return
-            error = f"{gone[0].peer_name(0)} at {gone[0].address} closed the connection"
-            self.errors["connection"] = self.errors.get("connection", 0) + 1
-            self._set_state(link_status.DOWN, error=error)
-            self._drop_connectors()
-        logger.warning("AFD attention rank %d: %s; reconnecting", self.rank, error)
-
-    def _connect(self):
-        """Connect to the FFN rank and, for a tensor/expert-parallel FFN server,
-        every rank of its group (each gets every token; the lead answers)."""
-        kwargs = dict(hidden_size=self.hidden_size, dtype=self.dtype,
-                      max_tokens=self.max_tokens, rank=self.rank,
-                      routing_topk=self.routing_topk, device=self.device.device,
-                      **self.connector_kwargs)
-        if self.fingerprint:
-            kwargs["fingerprint"] = self.fingerprint
-        first = create_connector(self.config, **kwargs)
-        connectors = {first.ffn_rank: first}
-        self._connecting = [first]
-        try:
-            first.connect()
-            for rank in first.ffn_group:
-                if rank not in connectors:
-                    connectors[rank] = create_connector(self.config, ffn_rank=rank, **kwargs)
-                    self._connecting.append(connectors[rank])
-                    connectors[rank].connect()
-        except BaseException:
-            for c in connectors.values():
-                c.close()
-            raise
-        finally:
-            self._connecting = []
-        lead = connectors.pop(first.ffn_group[0])
-        return lead, list(connectors.values())
-
-    def _set_state(self, state: str, error: str | None = None) -> None:
-        """Under self._lock."""
+    def _refresh_state(self) -> None:
+        """The link's state from its members' (under self._lock): ready while
+        any member is; otherwise the most hopeful of theirs."""
+        if not hasattr(self, "pool"):  # the pool's first sync, in __init__
+            return
+        members = [m for m in self.pool.members if not m.removed]
+        states = {m.state for m in members}
+        if self._closed.is_set():
+            state = link_status.CLOSED
+        elif link_status.READY in states:
+            state = link_status.READY
+        elif link_status.DOWN in states or any(m.connects for m in members):
+            state = link_status.DOWN
+        elif states and states <= {link_status.REFUSED}:
+            state = link_status.REFUSED
+        elif link_status.CONNECTING in states:
+            state = link_status.CONNECTING
+        else:
+            state = self.state if self.state != link_status.READY else link_status.DOWN
+        errors = [(m.since, m.last_error) for m in members if m.last_error]
+        if errors:
+            self.last_error = max(errors, key=lambda e: e[0])[1]
         if state != self.state:
             self.state, self.since = state, time.time()
-            self._state_changed.notify_all()
-        if error is not None:
-            self.last_error = error
+        self._state_changed.notify_all()
 
     def _await_first_connection(self) -> None:
         """Before the link was ever up (offline use, a request racing the
@@ -255,17 +218,13 @@ class AttentionLink:
         was up and is lost, or a refused one, fails at once."""
         deadline = time.monotonic() + self.config.timeout_s
         with self._lock:
-            while (self.connector is None and self.connects == 0
+            while (not self.pool.ready_members() and self.connects == 0
                    and self.state in (link_status.STARTING, link_status.CONNECTING)
                    and not self._closed.is_set()):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 self._state_changed.wait(remaining)
-
-    def _count_error(self, error: BaseException) -> None:
-        kind = error_kind(error)
-        self.errors[kind] = self.errors.get(kind, 0) + 1
 
     def unavailable_reason(self) -> str:
         reason = f"AFD attention rank {self.rank}: the link to {self.peer} is {self.state}"
@@ -275,8 +234,8 @@ class AttentionLink:
 
     # -------------------------------------------------------------- the step
     def begin_step(self, plan: StepPlan) -> None:
-        """Start a forward pass. A real step is announced to the FFN (raises
-        AFDLinkDown when it is not reachable); other kinds never touch it."""
+        """Start a forward pass. A real step is announced to a ready pool member
+        (raises AFDLinkDown when none is reachable); other kinds never touch it."""
         if self.plan is not None:
             raise RuntimeError(f"AFD attention rank {self.rank}: begin_step({plan.kind}) "
                                f"while a {self.plan.kind} step is in progress")
@@ -287,24 +246,30 @@ class AttentionLink:
         if len(plan.num_tokens) > self.config.num_ubatches:
             raise ValueError(f"AFD: a step of {len(plan.num_tokens)} micro-batches, but "
                              f"num_ubatches is {self.config.num_ubatches}")
-        connector = self.connector
-        if connector is None:
+        with self._lock:
+            member = self.pool.next_member()
+        if member is None:
             self.start()
             self._await_first_connection()
-            connector = self.connector
-            if connector is None:
+            with self._lock:
+                member = self.pool.next_member()
+            if member is None:
                 raise AFDLinkDown(self.unavailable_reason())
         self.step_id += 1
-        header = StepHeader(step_id=self.step_id, num_tokens=list(plan.num_tokens))
-        try:
-            for follower in self.followers:
-                follower.send_step(header)
-            connector.send_step(header)
-        except Exception as e:
-            self._lost(e, "the step header", connector)
-        self.plan = plan
-        self._step_start = now()
+        self.plan, self._member = plan, member
+        self._pending = {}
+        self._done = [0] * len(plan.num_tokens)
         self._step_calls_left = len(self.layers) * len(plan.num_tokens)
+        try:
+            member.send_step(StepHeader(step_id=self.step_id, num_tokens=list(plan.num_tokens)))
+            member.steps += 1
+        except Exception as e:
+            try:
+                self._fail_over(member, e, "the step header")
+            except AFDLinkDown:
+                self.plan, self._member = None, None
+                raise
+        self._step_start = now()
         self.stats.tokens += sum(plan.num_tokens) * len(self.layers)
 
     def exchange(self, layer_idx: int, hidden_states: torch.Tensor, out: torch.Tensor,
@@ -325,26 +290,44 @@ class AttentionLink:
         pp, u = turn if turn is not None else (None, 0)
         if ubatch is not None:
             u = ubatch
-        connector = self.connector
-        if connector is None:  # lost earlier in this step (another micro-batch)
+        member = self._member
+        if member is None:  # lost earlier in this step (another micro-batch)
             raise AFDLinkDown(self.unavailable_reason())
+        where = f"layer {layer_idx} micro-batch {u}"
+        # Kept until its output arrives: a failover sends it again (the caller
+        # leaves the tensors unchanged until then, as zero-copy sends need).
+        self._pending[u] = (layer_idx, hidden_states, routing)
+        failed_at = None
+        t0 = now()
         try:
-            t0 = now()
-            # Every member of an expert-parallel FFN group gets the routing.
-            for follower in self.followers:
-                follower.send_hidden(layer_idx, u, hidden_states, expect_output=False,
-                                     routing=routing)
-            connector.send_hidden(layer_idx, u, hidden_states, routing=routing)
-            t1 = now()
-            if pp is not None:
-                pp.yield_turn(u)
-            t2 = now()
-            connector.recv_output(layer_idx, u, out=out)
-            t3 = now()
+            member.send_hidden(layer_idx, u, hidden_states, routing)
         except Exception as e:
-            if self.connector is not connector:  # another micro-batch already failed
-                raise AFDLinkDown(self.unavailable_reason()) from e
-            self._lost(e, f"layer {layer_idx} micro-batch {u}", connector)
+            failed_at = now()
+            self._fail_over(member, e, where)
+        t1 = now()
+        if pp is not None:
+            pp.yield_turn(u)
+        t2 = now()
+        while True:
+            member = self._member  # a failover while others held the turn moves it
+            if member is None:
+                raise AFDLinkDown(self.unavailable_reason())
+            try:
+                lead = member.lead
+                if lead is None:
+                    raise AFDLinkDown(f"{member.name} was closed")
+                lead.recv_output(layer_idx, u, out=out)
+                break
+            except Exception as e:
+                failed_at = failed_at or now()
+                self._fail_over(member, e, where)
+        t3 = now()
+        del self._pending[u]
+        self._done[u] += 1
+        member.layer_calls += 1
+        if failed_at is not None:
+            self.failover_time.observe(t3 - failed_at)
+            self.last_failovers.append(round(t3 - failed_at, 6))
         stats = self.stats
         stats.send_s += t1 - t0
         stats.wait_s += t3 - t2
@@ -354,67 +337,103 @@ class AttentionLink:
         self._step_calls_left -= 1
         return out
 
+    def _fail_over(self, failed, error: BaseException, where: str):
+        """A step lost `failed` at `where`: drop it (its thread reconnects) and
+        finish the step on another ready member, resuming each micro-batch where
+        it was: a StepHeader with from_layer, then every layer call in flight
+        sent again, in the order the FFN serves them. The new member, or
+        AFDLinkDown when no member is left (the step's requests fail)."""
+        with self._lock:
+            if self._member is not failed:  # another micro-batch moved the step already
+                if self._member is None:
+                    raise AFDLinkDown(self.unavailable_reason()) from error
+                return self._member
+            failed.failed_over += 1
+            failed.fail(error)
+        lost = f"{failed.name} at {where} of step {self.step_id}: {error}"
+        while True:
+            with self._lock:
+                member = self.pool.next_member(exclude=failed)
+                self._member = member
+            if member is None:
+                logger.error("AFD attention rank %d: lost %s; no other FFN server is up: "
+                             "failing the step's requests", self.rank, lost)
+                self._wake.set()
+                raise AFDLinkDown(f"AFD attention rank {self.rank}: lost the link to "
+                                  f"{lost}") from error
+            pending = sorted(self._pending.items(), key=lambda item: (item[1][0], item[0]))
+            try:
+                member.send_step(StepHeader(step_id=self.step_id,
+                                            num_tokens=list(self.plan.num_tokens),
+                                            from_layer=self._resume_layers()))
+                member.steps += 1
+                for u, (layer, hidden_states, routing) in pending:
+                    member.send_hidden(layer, u, hidden_states, routing)
+            except Exception as e:  # noqa: BLE001 - this one is lost too: the next
+                with self._lock:
+                    member.failed_over += 1
+                    member.fail(e)
+                continue
+            self.failovers += 1
+            self.resent_calls += len(pending)
+            logger.warning("AFD attention rank %d: lost %s; step resumed on %s (%d layer "
+                           "call(s) sent again)", self.rank, lost, member.name, len(pending))
+            self._publish()
+            return member
+
+    def _resume_layers(self) -> list[int]:
+        """Per micro-batch, the first layer the member taking over serves: the
+        one in flight, else the next one it will send (past the last: done)."""
+        layers = []
+        for u, done in enumerate(self._done):
+            if u in self._pending:
+                layers.append(self._pending[u][0])
+            else:
+                layers.append(self.layers[done] if done < len(self.layers)
+                              else self.layers[-1] + 1)
+        return layers
+
     def end_step(self, failed: bool = False) -> None:
         """End the forward pass begun by begin_step. A real step that did not
         finish every exchange (the model failed in between) leaves the FFN
-        mid-step: the connection is dropped (the FFN is told) and re-made."""
+        mid-step: that member's connection is dropped (the FFN is told) and
+        re-made."""
         plan, self.plan = self.plan, None
+        member, self._member = self._member, None
+        self._pending = {}
         if plan is None or not plan.is_real:
             return
         if self._step_calls_left == 0 and not failed:
             self.stats.steps += 1
             self.stats.step_wall_s += now() - self._step_start
             return
-        if self._step_calls_left and self.connector is not None:
+        if self._step_calls_left and member is not None and member.ready:
             reason = (f"the attention side abandoned step {self.step_id} with "
                       f"{self._step_calls_left} layer call(s) left")
             logger.warning("AFD attention rank %d: %s; reconnecting", self.rank, reason)
             with self._lock:
-                for c in [self.connector, *self.followers]:
-                    c.report_error(reason)
-                self._set_state(link_status.DOWN, error=reason)
-                self._drop_connectors()
-            self._wake.set()
-
-    def _lost(self, error: BaseException, where: str, connector) -> None:
-        """A step lost the FFN: drop the connection, let the supervisor
-        reconnect, and fail the step."""
-        with self._lock:
-            self._count_error(error)
-            self._set_state(link_status.DOWN, error=f"{type(error).__name__}: {error}")
-            if self.connector is connector:
-                self._drop_connectors()
-        logger.error("AFD attention rank %d: lost %s at %s of step %d: %s; failing the "
-                     "step's requests and reconnecting", self.rank, self.peer, where,
-                     self.step_id, error)
-        self._wake.set()
-        raise AFDLinkDown(f"AFD attention rank {self.rank}: lost the link to {self.peer} at "
-                          f"{where} of step {self.step_id}: {error}") from error
-
-    def _drop_connectors(self) -> None:
-        connectors = ([self.connector] if self.connector is not None else []) + self.followers
-        self.connector, self.followers = None, []
+                member.fail(None, report=reason)
         self._step_calls_left = 0
-        for c in connectors:
-            self._bytes_closed[0] += c.bytes_sent
-            self._bytes_closed[1] += c.bytes_received
-            c.close()
 
     # ------------------------------------------------------------- reporting
     def document(self) -> dict:
         """State and counters, as status.py and metrics read them."""
-        connectors = ([self.connector] if self.connector is not None else []) + self.followers
-        sent = self._bytes_closed[0] + sum(c.bytes_sent for c in connectors)
-        received = self._bytes_closed[1] + sum(c.bytes_received for c in connectors)
+        members = [m.document() for m in self.pool.members]
         stats = self.stats
         return {"role": "attention", "rank": self.rank, "peer": self.peer,
                 "state": self.state, "since": self.since, "last_error": self.last_error,
                 "pid": os.getpid(), "connects": self.connects,
-                "reconnects": max(0, self.connects - 1), "errors": dict(self.errors),
-                "bytes_sent": sent, "bytes_received": received, "steps": stats.steps,
-                "layer_calls": stats.layer_calls, "tokens": stats.tokens,
+                "reconnects": sum(max(0, m["connects"] - 1) for m in members),
+                "errors": self.errors,
+                "bytes_sent": sum(m["bytes_sent"] for m in members),
+                "bytes_received": sum(m["bytes_received"] for m in members),
+                "steps": stats.steps, "layer_calls": stats.layer_calls, "tokens": stats.tokens,
                 "dummy_runs": dict(self.dummy_runs),
-                "layer_round_trip_seconds": self.round_trip.as_dict()}
+                "layer_round_trip_seconds": self.round_trip.as_dict(),
+                "pool": members, "failovers": self.failovers,
+                "resent_layer_calls": self.resent_calls,
+                "failover_seconds": self.failover_time.as_dict(),
+                "last_failover_seconds": list(self.last_failovers)}
 
     def _publish(self) -> None:
         # Serialized, so an older document never replaces a newer one.
@@ -422,14 +441,13 @@ class AttentionLink:
             link_status.publish(f"link-a{self.rank}", self.document())
 
     def close(self) -> None:
-        """Say goodbye to the FFN (it then waits for the next attention server)."""
+        """Say goodbye to the FFN servers (they then wait for the next attention
+        server)."""
         self._closed.set()
         self._wake.set()
-        for c in list(self._connecting):
-            c.close()  # interrupts a connect in progress
+        self.pool.close()
         with self._lock:
-            self._drop_connectors()
-            self._set_state(link_status.CLOSED)
+            self._refresh_state()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         self._publish()

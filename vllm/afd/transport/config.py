@@ -24,6 +24,8 @@ class LinkConfig:
     connector: str = "shm"
     host: str = "127.0.0.1"
     ffn_hosts: list[str] = field(default_factory=list)  # per FFN rank; empty: host
+    ffn_pool: list[str] = field(default_factory=list)  # "host:port" FFN deployments
+    ffn_pool_file: str | None = None  # more of them, one per line, re-read
     port: int = 7700
     num_attention_ranks: int = 1
     num_ffn_ranks: int = 1
@@ -46,6 +48,8 @@ class LinkConfig:
         if self.ffn_hosts and len(self.ffn_hosts) != self.num_ffn_ranks:
             raise ValueError(f"LinkConfig.ffn_hosts: {len(self.ffn_hosts)} addresses for "
                              f"{self.num_ffn_ranks} FFN ranks")
+        for endpoint in self.ffn_pool:
+            parse_endpoint(endpoint, "LinkConfig.ffn_pool")
         if not 1 <= self.num_ubatches <= MAX_UBATCHES:
             raise ValueError(f"LinkConfig.num_ubatches: {self.num_ubatches} is not in "
                              f"1-{MAX_UBATCHES}")
@@ -69,6 +73,9 @@ class LinkConfig:
         values.update(changes)
         return LinkConfig(**values)
 
+    def has_pool(self) -> bool:
+        return bool(self.ffn_pool or self.ffn_pool_file)
+
     def host_of(self, ffn_rank: int) -> str:
         """Where FFN rank ffn_rank listens (ffn_hosts, else host)."""
         return self.ffn_hosts[ffn_rank] if self.ffn_hosts else self.host
@@ -90,3 +97,14 @@ class LinkConfig:
     def receive_transfer(self) -> str:
         """How its peer's payloads travel to this role."""
         return self.transfer_to_attention if self.is_attention else self.transfer_to_ffn
+
+
+def parse_endpoint(text: str, where: str = "FFN pool member") -> tuple[str, int]:
+    """("host", port) of "host:port" ("[v6 address]:port" for IPv6)."""
+    host, sep, port = str(text).strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{where}: {text!r} is not host:port (port 1-65535; IPv6 as "
+                         f"[address]:port)")
+    return host, int(port)

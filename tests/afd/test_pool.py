@@ -1,0 +1,204 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""An attention rank with a pool of FFN servers (AFDConfig.ffn_pool), on the
+data plane with the reference decoder (tools/gpu_check): the FFN servers are
+real processes over shm, and one SIGKILLs itself at its k-th mlp call after
+warm-up, a kill -9 at a known point mid-step. The step still ends with exactly
+the reference decoder's output: the attention side sends the lost layer
+calls again to another member and finishes the step there."""
+
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools" / "gpu_check"))
+
+from roles import MAX_UBATCHES, AttentionRole, FFNRole, sample_batch  # noqa: E402
+from servers import free_port  # noqa: E402
+
+from vllm.afd.attention import status as link_status  # noqa: E402
+from vllm.afd.transport.config import LinkConfig  # noqa: E402
+from vllm.afd.transport.errors import AFDLinkDown  # noqa: E402
+
+FAILOVER_BOUND_S = 1.0  # the issue's bound; the step timeout (timeout_s) is 30 s
+
+
+def _ffn_main(port: int, die_at: int, threads: int, ready, stop) -> None:
+    # The attention side's count: CPU matmuls reduce in another order with
+    # another count, and the outputs are compared bit for bit.
+    torch.set_num_threads(threads)
+    role = FFNRole("shm", port, "cpu", torch.float32)
+    mlps = [layer.mlp for layer in role.model.layers]
+    calls = [0]
+
+    def compute(layer: int, h: torch.Tensor, routing) -> torch.Tensor:
+        if role.loop.ready.is_set():
+            calls[0] += 1
+            if calls[0] == die_at:
+                os.kill(os.getpid(), signal.SIGKILL)  # mid-step, without a goodbye
+        return mlps[layer](h, routing)
+
+    role.loop.compute_fn = compute
+    role.start()
+    role.loop.ready.wait(60)
+    ready.set()
+    stop.wait()
+    role.stop()
+
+
+class FFN:
+    """An FFN server process on port (die_at > 0: SIGKILLs itself at that mlp
+    call after warm-up)."""
+
+    def __init__(self, die_at: int = 0) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.port = free_port()
+        self.ready, self.stop_event = ctx.Event(), ctx.Event()
+        self.proc = ctx.Process(target=_ffn_main, daemon=True,
+                                args=(self.port, die_at, torch.get_num_threads(), self.ready,
+                                      self.stop_event))
+        self.proc.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def wait_ready(self) -> "FFN":
+        assert self.ready.wait(120), "the FFN process did not get ready"
+        return self
+
+    def stop(self) -> None:
+        # Not through stop_event: an Event a SIGKILLed process waited on can
+        # block its set() for good. SIGTERM ends the process, its sockets close.
+        if self.proc.is_alive():
+            self.proc.terminate()
+        self.proc.join(20)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def pool_role(pool: list[str], pool_file: Path | None = None) -> AttentionRole:
+    config = LinkConfig(role="attention", connector="shm", num_ubatches=MAX_UBATCHES,
+                        timeout_s=30, ffn_pool=pool,
+                        ffn_pool_file=str(pool_file) if pool_file else None)
+    return AttentionRole("shm", 1, "cpu", torch.float32, config=config)
+
+
+def wait_for(predicate, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def members(role: AttentionRole) -> dict[str, dict]:
+    return {m["endpoint"]: m for m in role.link.document()["pool"]}
+
+
+@pytest.fixture
+def ffns(request):
+    started: list[FFN] = []
+
+    def start(die_at: int = 0) -> FFN:
+        started.append(FFN(die_at))
+        return started[-1]
+
+    yield start
+    for ffn in started:
+        ffn.stop()
+
+
+@pytest.mark.parametrize("num_ubatches", [1, 2])
+def test_a_killed_member_mid_step_changes_no_output(ffns, num_ubatches):
+    """Round robin sends steps 1, 3, ... to A, which dies at its 5th mlp call
+    (3 layers x m micro-batches a step: mid-step 3 with m = 1, mid-step 1 with
+    m = 2); that step finishes on B with the reference output, and so do the
+    next ones, all on B."""
+    a, b = ffns(die_at=5), ffns()
+    a.wait_ready()
+    b.wait_ready()
+    role = pool_role([a.endpoint, b.endpoint])
+    try:
+        wait_for(lambda: len(role.link.pool.ready_members()) == 2, "both members up")
+        for seed in range(6):
+            tokens, ubatches = sample_batch(num_ubatches, "cpu", seed)
+            got = role.step(tokens, ubatches)
+            assert torch.equal(got, role.model.reference(tokens, ubatches)), seed
+        doc = role.link.document()
+        by_endpoint = members(role)
+        assert doc["failovers"] == 1 and doc["resent_layer_calls"] >= 1, doc
+        assert a.proc.join(10) is None and a.proc.exitcode == -signal.SIGKILL
+        assert by_endpoint[a.endpoint]["state"] == "down", by_endpoint
+        assert by_endpoint[a.endpoint]["failed_over"] == 1
+        # Six steps, one of them begun on A and resumed on B.
+        assert by_endpoint[a.endpoint]["steps"] + by_endpoint[b.endpoint]["steps"] == 7
+        assert doc["last_failover_seconds"] and max(
+            doc["last_failover_seconds"]) < FAILOVER_BOUND_S, doc["last_failover_seconds"]
+        assert doc["state"] == "ready" and doc["steps"] == 6
+    finally:
+        role.close()
+
+
+def test_members_join_from_the_pool_file_and_share_the_steps(ffns, tmp_path):
+    """The pool file lists A; C is started and appended later: the running link
+    dials it and gives it every other step (round robin), no restart. With
+    every member gone, steps fail at once with AFDLinkDown; a member back
+    serves again."""
+    pool_file = tmp_path / "pool.txt"
+    a = ffns().wait_ready()
+    pool_file.write_text(f"# the FFN pool\n{a.endpoint}\n")
+    role = pool_role([], pool_file)
+    try:
+        tokens, ubatches = sample_batch(1, "cpu", 0)
+        reference = role.model.reference(tokens, ubatches)
+        assert torch.equal(role.step(tokens, ubatches), reference)
+        c = ffns().wait_ready()
+        pool_file.write_text(f"{a.endpoint}\n{c.endpoint}  # joined\n")
+        wait_for(lambda: len(role.link.pool.ready_members()) == 2, "C dialed")
+        for _ in range(4):
+            assert torch.equal(role.step(tokens, ubatches), reference)
+        by_endpoint = members(role)
+        assert by_endpoint[c.endpoint]["steps"] == 2, by_endpoint
+        assert by_endpoint[c.endpoint]["layer_calls"] == 2 * 3
+        assert by_endpoint[a.endpoint]["steps"] == 3
+        # A leaves the file: it is closed, C takes every step.
+        pool_file.write_text(f"{c.endpoint}\n")
+        wait_for(lambda: a.endpoint not in {m.endpoint for m in role.link.pool.ready_members()},
+                 "A removed")
+        assert torch.equal(role.step(tokens, ubatches), reference)
+        # C gone too: no member left, a clear error at once.
+        c.stop()
+        wait_for(lambda: not role.link.pool.ready_members(), "C noticed as gone")
+        t0 = time.monotonic()
+        with pytest.raises(AFDLinkDown, match="is down"):
+            role.step(tokens, ubatches)
+        assert time.monotonic() - t0 < 1.0
+        d = ffns().wait_ready()
+        pool_file.write_text(f"{d.endpoint}\n")
+        wait_for(lambda: role.link.pool.ready_members(), "D dialed")
+        assert torch.equal(role.step(tokens, ubatches), reference)
+    finally:
+        role.close()
+
+
+def test_pool_configuration_errors():
+    from vllm.afd.config import AFDConfig
+
+    for pool, message in ((["localhost"], "not host:port"),
+                          (["127.0.0.1:70000"], "not host:port"),
+                          (["127.0.0.1:7700", "127.0.0.1:7700"], "listed twice")):
+        with pytest.raises(ValueError, match=message):
+            AFDConfig(ffn_pool=pool)
+    with pytest.raises(ValueError, match="only the attention role"):
+        AFDConfig(role="ffn", ffn_pool=["127.0.0.1:7700"])
+    with pytest.raises(ValueError, match="ffn_hosts cannot be combined"):
+        AFDConfig(ffn_pool=["127.0.0.1:7700"], num_ffn_ranks=1, ffn_hosts=["127.0.0.2"])
+    assert AFDConfig(ffn_pool=["[::1]:7700", "10.0.0.2:7800"]).link_config().has_pool()
+    assert link_status.READY == "ready"
