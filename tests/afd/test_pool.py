@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -202,3 +203,178 @@ def test_pool_configuration_errors():
         AFDConfig(ffn_pool=["127.0.0.1:7700"], num_ffn_ranks=1, ffn_hosts=["127.0.0.2"])
     assert AFDConfig(ffn_pool=["[::1]:7700", "10.0.0.2:7800"]).link_config().has_pool()
     assert link_status.READY == "ready"
+
+
+# ------------------------------------------------------------ real servers
+COMMON = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
+          "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
+          "--no-enable-prefix-caching"]
+LONG_TOKENS = 96  # the streamed completion that outlives a kill
+CONCURRENT = 8
+STALL_BOUND_S = 5.0  # a surviving attention server's stream never pauses longer
+
+
+@pytest.mark.slow
+def test_pool_of_ffn_servers_under_kills(models_dir, tmp_path):
+    """Two attention servers (2A, ranks 0 and 1) share a pool of FFN servers
+    (`vllm serve --afd-role ffn`, shm), listed in a pool file:
+
+    1. FFN A is SIGKILLed while both attention servers stream and eight more
+       requests run: every request completes with plain vLLM's tokens, each
+       failover under a second, the metrics count them;
+    2. FFN C is started under load and appended to the pool file: its layer
+       calls are counted, no attention server restarted;
+    3. B leaves the pool file (2A:1F on C) and attention server 1 is SIGKILLed
+       mid-stream: attention server 0's stream completes with plain vLLM's
+       tokens, never pausing beyond STALL_BOUND_S; C ends only rank 1's
+       session, naming it.
+    """
+    import concurrent.futures
+    import json
+
+    import openai
+    from oracle import engine_cli_args
+    from servers import Server, cpu
+    from test_oracle import plain_result, run_oracle
+
+    model = models_dir / "tiny-qwen3-moe"
+    pool_file = tmp_path / "ffn-pool.txt"
+    base = {"connector": "shm", "timeout_s": 30, "num_attention_ranks": 2}
+    work = concurrent.futures.ThreadPoolExecutor(4)
+    # Plain vLLM's answers, computed while the servers start.
+    long_ref = work.submit(run_oracle, model, tmp_path / "plain-long.json", num_prompts=1,
+                           extra=("--max-tokens", str(LONG_TOKENS)))
+    short_ref = work.submit(plain_result, model, tmp_path, num_prompts=CONCURRENT)
+
+    def ffn(name: str) -> Server:
+        port = free_port()
+        server = Server(str(model), [*COMMON, "--afd-role", "ffn", "--afd-config",
+                                     json.dumps({**base, "port": port})],
+                        log_path=tmp_path / f"{name}.log", name=name,
+                        env={"VLLM_CPU_OMP_THREADS_BIND": cpu(1)})
+        server.afd_port = port
+        return server.start()
+
+    def attention(rank: int) -> Server:
+        return Server(str(model), [
+            *COMMON, *engine_cli_args(model), "--afd-role", "attention", "--afd-config",
+            json.dumps({**base, "attention_rank": rank, "ffn_pool_file": str(pool_file)})],
+            log_path=tmp_path / f"attention-{rank}.log", name=f"attention-{rank}",
+            env={"VLLM_CPU_OMP_THREADS_BIND": cpu(0)}).start()
+
+    servers = []
+    try:
+        a, b = ffn("ffn-a"), ffn("ffn-b")
+        servers += [a, b]
+        pool_file.write_text(f"127.0.0.1:{a.afd_port}\n127.0.0.1:{b.afd_port}\n")
+        attns = [attention(0), attention(1)]
+        servers += attns
+        for server in servers:
+            server.wait_ready()
+        long_ref, short_ref = long_ref.result(timeout=300), short_ref.result(timeout=300)
+        long_prompt = long_ref["results"][0]["prompt"]
+        long_ids = long_ref["results"][0]["token_ids"]
+        prompts = [r["prompt"] for r in short_ref["results"]]
+
+        def client(server: Server) -> openai.OpenAI:
+            return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
+                                 timeout=120)
+
+        def stream(server: Server, started: threading.Event | None = None) -> dict:
+            """The long greedy stream: its token ids and the longest gap."""
+            ids, gaps, last = [], [], time.monotonic()
+            for i, chunk in enumerate(client(server).completions.create(
+                    model=str(model), prompt=long_prompt, max_tokens=LONG_TOKENS,
+                    temperature=0, stream=True,
+                    extra_body={"ignore_eos": True, "return_token_ids": True})):
+                ids += chunk.choices[0].token_ids or []
+                now_ = time.monotonic()
+                gaps.append((now_, now_ - last))
+                last = now_
+                if started is not None and i == 5:
+                    started.set()
+            return {"ids": ids, "gaps": gaps}
+
+        def complete(server: Server, prompt: str) -> list[int]:
+            comp = client(server).completions.create(
+                model=str(model), prompt=prompt, max_tokens=16, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+            return comp.choices[0].token_ids
+
+        def status(server: Server) -> dict:
+            return json.loads(server.get("/afd/status")[1])["links"][0]
+
+        # 1. FFN A killed under load.
+        started = [threading.Event(), threading.Event()]
+        streams = [work.submit(stream, attns[r], started[r]) for r in (0, 1)]
+        with concurrent.futures.ThreadPoolExecutor(CONCURRENT) as load:
+            for event in started:
+                assert event.wait(120)
+            others = [load.submit(complete, attns[i % 2], p) for i, p in enumerate(prompts)]
+            time.sleep(0.5)
+            a.kill()
+            results = [f.result(timeout=300) for f in others]
+        for got, ref in zip(results, short_ref["results"], strict=True):
+            assert got == ref["token_ids"], ref["prompt"]
+        for r in (0, 1):
+            assert streams[r].result(timeout=300)["ids"] == long_ids, f"attention-{r}"
+        failovers = []
+        for server in attns:
+            doc = status(server)
+            failovers += doc["last_failover_seconds"]
+            assert doc["state"] == "ready", doc
+        assert failovers, "no step was in flight on FFN A when it died"
+        assert max(failovers) < FAILOVER_BOUND_S, failovers
+        _, metrics = attns[0].get("/metrics")
+        assert "vllm_afd_failovers_total" in metrics and "vllm_afd_pool_member_up" in metrics
+
+        # 2. FFN C joins under load.
+        c = ffn("ffn-c")
+        servers.append(c)
+        c.wait_ready()
+        pool_file.write_text(f"127.0.0.1:{b.afd_port}\n127.0.0.1:{c.afd_port}\n")
+        endpoint_c = f"127.0.0.1:{c.afd_port}"
+        deadline = time.monotonic() + 60
+        while True:
+            complete(attns[0], prompts[0])
+            members_0 = {m["endpoint"]: m for m in status(attns[0])["pool"]}
+            if members_0.get(endpoint_c, {}).get("layer_calls", 0) > 0:
+                break
+            assert time.monotonic() < deadline, members_0
+        workers_c = json.loads(c.get("/afd/status")[1])["workers"]
+        assert workers_c[0]["steps"] > 0, workers_c
+
+        # 3. 2A:1F (B leaves the pool): attention server 1 killed mid-stream,
+        # server 0's stream goes on through the FFN they shared.
+        pool_file.write_text(f"{endpoint_c}\n")
+        deadline = time.monotonic() + 30
+        while any(m["state"] == "ready" and m["endpoint"] != endpoint_c
+                  for server in attns for m in status(server)["pool"]):
+            assert time.monotonic() < deadline, [status(s)["pool"] for s in attns]
+            time.sleep(0.2)
+        started = [threading.Event(), threading.Event()]
+        streams = [work.submit(stream, attns[r], started[r]) for r in (0, 1)]
+        for event in started:
+            assert event.wait(120)
+        time.sleep(0.5)
+        killed_at = time.monotonic()
+        attns[1].kill()
+        survivor = streams[0].result(timeout=300)
+        assert survivor["ids"] == long_ids
+        after = [gap for t, gap in survivor["gaps"] if t > killed_at]
+        assert after and max(after) < STALL_BOUND_S, max(after, default=None)
+        with pytest.raises(Exception):  # noqa: B017 - the killed server's stream
+            streams[1].result(timeout=60)
+        deadline = time.monotonic() + 10
+        while True:
+            worker = json.loads(c.get("/afd/status")[1])["workers"][0]
+            if worker["serving"] == [0]:
+                break
+            assert time.monotonic() < deadline, worker
+            time.sleep(0.2)
+        assert "attention rank 1" in worker["last_peer_error"], worker
+        assert c.get("/health")[0] == 200
+    finally:
+        for server in servers:
+            server.stop()
+        work.shutdown(wait=False, cancel_futures=True)

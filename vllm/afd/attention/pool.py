@@ -99,8 +99,12 @@ class PoolMember:
             if pool.on_thread is not None:
                 pool.on_thread("afd-link", context)
             backoff = RECONNECT_BACKOFF_S[0]
-            while not pool.closed.is_set() and not self.removed:
-                if self.lead is None:
+            while not pool.closed.is_set():
+                if self.removed:
+                    with pool.lock:
+                        if not pool.in_step(self):  # a step using it finishes first
+                            break
+                elif self.lead is None:
                     if not self._connect_once():
                         self._wake.wait(backoff)
                         self._wake.clear()
@@ -114,6 +118,10 @@ class PoolMember:
                 self._wake.clear()
             with pool.lock:
                 self.drop()
+                if self.removed:
+                    self.set_state(link_status.CLOSED)
+            if self.removed:
+                logger.info("AFD attention rank %d: %s left the pool", pool.rank, self.name)
             pool.publish()
 
     def _connect_once(self) -> bool:
@@ -189,15 +197,13 @@ class PoolMember:
             if pool.in_step(self):
                 return  # a step reads the link now and notices by itself
             gone = [c for c in self.connectors() if c.peer_closed()]
-            if not gone and not self.removed:
+            if not gone:
                 return
-            if gone:
-                error = f"{gone[0].peer_name(0)} at {gone[0].address} closed the connection"
-                self.errors["connection"] = self.errors.get("connection", 0) + 1
-                self.set_state(link_status.DOWN, error=error)
+            error = f"{gone[0].peer_name(0)} at {gone[0].address} closed the connection"
+            self.errors["connection"] = self.errors.get("connection", 0) + 1
+            self.set_state(link_status.DOWN, error=error)
             self.drop()
-        if gone:
-            logger.warning("AFD attention rank %d: %s; reconnecting", pool.rank, error)
+        logger.warning("AFD attention rank %d: %s; reconnecting", pool.rank, error)
 
     def interrupt(self) -> None:
         for c in list(self._connecting):
@@ -312,6 +318,9 @@ class Pool:
     def sync(self, start: bool = True) -> None:
         """Add members that appeared in the configuration, mark the ones that
         left it as removed (their threads close them once idle)."""
+        with self.lock:  # forget removed members whose thread is done
+            self.members = [m for m in self.members if not m.removed or m._thread is None
+                            or m._thread.is_alive()]
         if self.config.ffn_pool_file and self.members:
             try:
                 mtime = os.stat(self.config.ffn_pool_file).st_mtime_ns
@@ -333,8 +342,6 @@ class Pool:
                 if endpoint not in wanted:
                     member.removed = True
                     member.wake()
-            self.members = [m for m in self.members
-                            if not m.removed or m.ready or (m._thread and m._thread.is_alive())]
             self.state_changed()
         for member in added:
             if len(self.members) > 1 or self.config.ffn_pool or self.config.ffn_pool_file:

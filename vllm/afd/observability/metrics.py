@@ -17,6 +17,10 @@ vLLM's own metrics on the same /metrics:
   vllm_afd_connector_errors_total{role,rank,kind}  lost peers, timeouts, bad frames
   vllm_afd_reconnects_total                        connections after the first
   vllm_afd_auth_failures_total, vllm_afd_handshake_failures_total (FFN)
+  vllm_afd_failovers_total, vllm_afd_resent_layer_calls_total   attention: FFN pool
+  vllm_afd_failover_seconds (histogram)            attention: error -> resent output
+  vllm_afd_pool_member_up{...,endpoint}            attention: 1 per ready member
+  vllm_afd_pool_member_layer_calls_total{...,endpoint}
 
 Recording costs a bisect and two additions (the histograms are not locked:
 each has one writer thread, and a scrape reading a half-updated bucket is off
@@ -107,7 +111,15 @@ class LinkCollector:
                 ("reconnects", "AFD link connections made after the first"),
                 ("auth_failures", "Peers refused because they failed authentication"),
                 ("handshake_failures", "Peers refused because their handshake did not match"),
+                ("failovers", "Steps finished on another FFN pool member after one failed"),
+                ("resent_layer_calls", "Layer calls sent again to the member taking over"),
             )}
+        member_up = GaugeMetricFamily("vllm_afd_pool_member_up",
+                                      "1 while this FFN pool member's link is up",
+                                      labels=[*labels, "endpoint"])
+        member_calls = CounterMetricFamily("vllm_afd_pool_member_layer_calls",
+                                           "Layer calls answered by this FFN pool member",
+                                           labels=[*labels, "endpoint"])
         errors = CounterMetricFamily("vllm_afd_connector_errors",
                                      "AFD link failures by kind", labels=[*labels, "kind"])
         histograms = {
@@ -117,6 +129,8 @@ class LinkCollector:
                  "Attention side: from sending a layer's hidden states to its FFN output"),
                 ("ffn_layer_compute_seconds", "FFN side: one mlp call"),
                 ("ffn_tokens_per_layer_call", "FFN side: tokens in one mlp call"),
+                ("failover_seconds",
+                 "Attention side: from losing a pool member mid-step to the resent call's output"),
             )}
         for d in documents:
             values = [str(d.get("role", "")), str(d.get("rank", "")), str(d.get("peer", ""))]
@@ -125,6 +139,10 @@ class LinkCollector:
             for key, family in counters.items():
                 if key in d:
                     family.add_metric(values, float(d[key]))
+            for m in d.get("pool", []):
+                member = [*values, str(m.get("endpoint") or m.get("peer", ""))]
+                member_up.add_metric(member, 1.0 if m.get("state") == "ready" else 0.0)
+                member_calls.add_metric(member, float(m.get("layer_calls", 0)))
             for kind, count in sorted(d.get("errors", {}).items()):
                 errors.add_metric([*values, kind], float(count))
             for key, family in histograms.items():
@@ -136,6 +154,8 @@ class LinkCollector:
         yield from counters.values()
         yield errors
         yield from histograms.values()
+        yield member_up
+        yield member_calls
 
 
 _registered: set[str] = set()
