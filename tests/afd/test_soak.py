@@ -78,3 +78,71 @@ def test_the_rss_rule_sees_a_leak():
     # The rule it replaced (end - warm < max(10 % of warm, 64 MiB)) let it pass.
     assert leaking["end_mib"] - leaking["warm_mib"] < max(0.10 * leaking["warm_mib"], 64)
     assert soak.rss_limit(600) == 8 and soak.rss_limit(60) == 40
+
+
+def _soak():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import soak
+
+    return soak
+
+
+def test_percentile_is_nearest_rank():
+    soak = _soak()
+    assert soak.percentile([], 50) is None
+    assert soak.percentile([7.0], 99) == 7.0
+    values = [float(v) for v in range(1, 101)]
+    assert soak.percentile(values, 50) == 50 and soak.percentile(values, 99) == 99
+    assert soak.percentile(values, 100) == 100 and soak.percentile([3, 1, 2], 50) == 2
+
+
+def test_kill_accounting():
+    """--kill-ffn-every: each kill is noticed mid-step (the member's failed_over
+    grew: one failover) or idle (down between steps: none); the accounting
+    passes only when the link's failovers match the mid-step kills."""
+    soak = _soak()
+    ready = {"state": "ready", "failed_over": 2, "connects": 3}
+    assert soak.classify_kill(ready, {**ready, "state": "down", "failed_over": 3},
+                              True) == "mid_step"
+    assert soak.classify_kill(ready, {**ready, "state": "down"}, True) == "idle"
+    assert soak.classify_kill(ready, ready, False) == "unnoticed"
+    kills = [{"how": h} for h in ("mid_step", "idle", "mid_step")]
+    acc = soak.kill_accounting(kills, failovers=2)
+    assert acc == {"kills": 3, "mid_step": 2, "idle": 1, "unnoticed": 0, "failovers": 2,
+                   "ok": True}
+    assert not soak.kill_accounting(kills, failovers=3)["ok"]  # a failover with no kill
+    assert not soak.kill_accounting(kills + [{"how": "unnoticed"}], failovers=2)["ok"]
+
+
+def test_new_failover_times_reads_only_the_new_ones():
+    """The attention keeps its last 64 failover times: the new ones between two
+    readings are the newest (timed-count growth) entries; rolled-out ones are
+    counted, never invented."""
+    soak = _soak()
+    first = {"timed": [2], "last": [[0.1, 0.2]]}
+    assert soak.new_failover_times(None, first) == ([0.1, 0.2], 0)
+    second = {"timed": [3], "last": [[0.1, 0.2, 0.3]]}
+    assert soak.new_failover_times(first, second) == ([0.3], 0)
+    assert soak.new_failover_times(second, second) == ([], 0)
+    rolled = {"timed": [70], "last": [[float(i) for i in range(6, 70)]]}
+    times, lost = soak.new_failover_times(second, rolled)
+    assert len(times) == 64 and times[-1] == 69.0 and lost == 3
+
+
+def test_incarnation_rss_judges_each_long_enough_life():
+    """An FFN's RSS restarts with each incarnation: each is judged over its
+    ready samples, a short one only reported, a leaking one fails."""
+    import random
+
+    soak = _soak()
+    rng = random.Random(0)
+    samples = []
+    for t in range(0, 300):
+        inc, ready = (1, True) if t < 100 else (2, t >= 110) if t < 160 else (3, t >= 170)
+        leak = 60 * (t - 170) / 60 if inc == 3 else 0  # incarnation 3 leaks 60 MiB/min
+        samples.append({"t": float(t), "ffn0": {"mib": 1600 + leak + rng.uniform(-6, 6),
+                                                "incarnation": inc, "ready": ready}})
+    v1, v2, v3 = soak.incarnation_rss(samples, "ffn0", min_life_s=60)
+    assert v1["judged"] and v1["flat"] and v1["life_s"] == 99, v1
+    assert not v2["judged"] and v2["flat"] is None and v2["from_t"] == 110, v2
+    assert v3["judged"] and v3["flat"] is False and 50 < v3["slope_mib_per_min"] < 70, v3
