@@ -10,7 +10,8 @@ loopback (tiny Qwen3-MoE, eager mode). Each client thread loops over real
 OpenAI requests (completions and chat, some streaming, prompts of 1-16 words,
 max_tokens 1-32, temperature 0) and checks every answer is well-formed; every
 tenth request is the canary, a fixed greedy prompt that must always return
-plain vLLM's text (computed in-process, AFD off, before the load). A sampler records the resident memory of both server process trees.
+plain vLLM's text (computed in-process, AFD off, before the load). A sampler
+records the resident memory of both server process trees.
 
 Verdict (exit status 1 when any fails):
   errors == 0        every request answered and well-formed, every canary the same
