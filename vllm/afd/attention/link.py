@@ -17,13 +17,18 @@ output into the caller's `out`, ordered on the caller's stream. Inside a
 micro-batch ping-pong (pingpong.py) the exchange passes the turn between its
 send and its receive, so another micro-batch's attention overlaps the FFN.
 
-The connection is kept by a supervisor thread (which enters the device the
-link was built for): it dials the FFN rank, retries with backoff while the FFN
-is not there or refuses us, and reconnects when a step loses it. A step never
-waits for a connection once the link was up: while the link is not up, or when
-it breaks mid-step, the step raises AFDLinkDown at once (the vLLM adapter fails
-the step's requests and keeps serving). The state and counters are published
-(status.py) for the API server's /health and /metrics.
+The FFN side is a pool of FFN deployments (pool.py; one member without
+AFDConfig.ffn_pool), each kept connected by its own supervisor thread (which
+enters the device the link was built for): it dials, retries with backoff
+while the FFN is not there or refuses us, and reconnects after a loss. A real
+step goes to the next ready member (round robin). When that member fails
+mid-step, the step is resumed on another ready one (`_fail_over`: a StepHeader
+with from_layer, then the layer calls in flight sent again), and the caller
+never notices. A step never waits for a connection once the link was up: with
+no member ready, at the start or after a failure, it raises AFDLinkDown at
+once (the vLLM adapter fails the step's requests and keeps serving). The state
+and counters are published (status.py) for the API server's /health and
+/metrics.
 """
 
 import logging
