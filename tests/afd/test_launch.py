@@ -98,8 +98,6 @@ def merged(spec: dict, changes: dict) -> dict:
      "ffn.args: --tensor-parallel-size is set by the launcher"),
     ({"afd_config": {"port": 1}}, "afd_config.port: set by the launcher"),
     ({"num_ubatches": 5}, "num_ubatches: 5 is not in 1-4"),
-    ({"attention": {"servers": 2}, "ffn": {"tensor_parallel_size": 2}},
-     "ffn.tensor_parallel_size: an FFN server with 2 workers serves one attention rank"),
     ({"ffn": {"executor": "slurm"}}, "ffn.executor: Input should be 'mp' or 'ray'"),
 ])
 def test_bad_specs_name_the_field(models_dir, change, message):

@@ -7,9 +7,11 @@ Every attention server in a deployment must give exactly plain vLLM's tokens:
   3A:2F  uneven: FFN rank 0 serves attention ranks 0 and 2, FFN rank 1 rank 1;
          ranks 0 and 1 are the data-parallel ranks of one attention server,
          on vLLM's Ray DP backend
-  1A:2F  one FFN server with tensor parallelism 2 (both ranks get every token,
-         the lead answers), and the same with expert parallelism (4 of the 8
-         experts per rank) on vLLM's Ray executor
+  2A:2F  one FFN server with tensor parallelism 2 serving two attention
+         servers (both ranks get every token of both, the lead decides the
+         batches and answers, the follower runs the lead's plans)
+  1A:2F  the same with expert parallelism (4 of the 8 experts per rank) on
+         vLLM's Ray executor
 Independent attention servers are in-process LLMs (tools/oracle.py) run side
 by side, the data-parallel one a `vllm serve` answering the openai client; the
 FFN servers are `vllm serve --afd-role ffn` processes. The Ray cases use the
@@ -146,11 +148,17 @@ def test_three_attention_two_ffn_uneven_with_data_parallel(models_dir, tmp_path,
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["tp", "ep"])
 def test_one_attention_two_ffn_ranks(models_dir, tmp_path, parallel, request):
-    """1A:2F. The tensor-parallel FFN server runs its two workers on mp, the
-    expert-parallel one on vLLM's Ray executor (RayExecutorV2, the workers Ray
-    actors in a placement group of the test's local Ray head)."""
+    """2A:2F: the tensor-parallel FFN server runs its two workers on mp and
+    serves two attention servers at once (attention rank 1 through the
+    follower's address), its workers following the lead's batch plans. 1A:2F:
+    the expert-parallel one on vLLM's Ray executor (RayExecutorV2, the workers
+    Ray actors in a placement group of the test's local Ray head)."""
     base = {"connector": "shm" if parallel == "tp" else "tcp", "port": free_port(),
             "timeout_s": 120, "num_ffn_ranks": 2}
+    attention = [base]
+    if parallel == "tp":
+        base["num_attention_ranks"] = 2
+        attention = [{**base, "attention_rank": a} for a in (0, 1)]
     extra, env = ["--tensor-parallel-size", "2"], {}
     if parallel == "ep":
         ray_head = request.getfixturevalue("ray_head")
@@ -159,7 +167,7 @@ def test_one_attention_two_ffn_ranks(models_dir, tmp_path, parallel, request):
     with ffn_server(models_dir / MODEL, base, tmp_path / "ffn.log", extra=extra,
                    cpus=f"{cpu(0)}|{cpu(1)}", env=env) as ffn:
         ffn.wait_ready()
-        results = run_attention_servers(models_dir / MODEL, tmp_path, [base])
+        results = run_attention_servers(models_dir / MODEL, tmp_path, attention)
         workers = json.loads(ffn.get("/afd/status")[1])["workers"]
         pids = [w["link"]["pid"] for w in workers]
         if parallel == "ep":
@@ -179,8 +187,12 @@ def test_one_attention_two_ffn_ranks(models_dir, tmp_path, parallel, request):
         assert "Local/global number of experts: 4/8" in log
     check_all(models_dir, tmp_path, results)
     assert [w["rank"] for w in workers] == [0, 1] and workers[0]["group"] == [0, 1]
-    # Both ranks computed every step; only the lead answered.
-    assert workers[0]["steps"] == workers[1]["steps"] == results[0]["link_stats"]["steps"]
+    # Both ranks computed every step of every peer; only the lead answered.
+    steps = sum(r["link_stats"]["steps"] for r in results)
+    assert workers[0]["steps"] == workers[1]["steps"] == steps
+    if parallel == "tp":
+        assert [w["batching"] for w in workers] == ["lead", "follower"]
+        assert workers[1]["plan_error"] is None
 
 
 # ---------------------------------------------------------------- layout rules
@@ -208,8 +220,6 @@ def test_placement_of_ffn_workers():
 
 @pytest.mark.parametrize("kwargs, parallel, message", [
     (dict(num_ffn_ranks=1), dict(tp=2), "take FFN ranks 0-1, but num_ffn_ranks is 1"),
-    (dict(num_ffn_ranks=2, num_attention_ranks=2), dict(tp=2),
-     "serves one attention rank, but attention ranks [0, 1] map to it"),
     (dict(num_ffn_ranks=3, ffn_rank=2, num_attention_ranks=2), {},
      "no attention rank maps to FFN ranks 2-2"),
     (dict(), dict(pp=2), "does not support pipeline parallelism"),

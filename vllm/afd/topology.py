@@ -9,7 +9,9 @@ are its workers (tensor parallel, and expert parallel over the same workers),
 offset by AFDConfig.ffn_rank. The workers of one FFN server form a group that
 computes every token of its peers together (each holds a shard of the mlp
 weights or a subset of the experts; vLLM's own collectives combine them); the
-group's first rank answers.
+group's first rank answers. Such a group serves any number of attention ranks
+too: its lead decides how their calls are batched and the other ranks follow
+its plans (ffn/plan.py), so all make the same mlp calls in the same order.
 
     attention rank a  ->  FFN rank a % F, and every rank of that rank's group
     FFN rank f        <-  attention ranks a with a % F in f's group
@@ -73,11 +75,4 @@ def ffn_placement(vllm_config, worker_rank: int) -> FFNPlacement:
             f"AFD layout: no attention rank maps to FFN ranks {first}-{last} (attention "
             f"rank a goes to FFN rank a % {afd.num_ffn_ranks}); with "
             f"{afd.num_attention_ranks} attention rank(s), this server would never be used")
-    if size > 1 and len(peers) > 1:
-        # The group's ranks must call their collectives in the same order; with one
-        # peer they do by construction (each sees the same frames in order).
-        raise AFDLayoutError(
-            f"AFD layout: a tensor/expert-parallel FFN server (ranks {first}-{last}) "
-            f"serves one attention rank, but attention ranks {peers} map to it; run one "
-            f"FFN server per attention rank or use num_ffn_ranks >= num_attention_ranks")
     return FFNPlacement(rank=first + worker_rank, group=group)

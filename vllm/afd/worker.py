@@ -6,7 +6,11 @@ The FFN role's worker builds the data plane's FFNLoop (ffn/loop.py) from the
 vLLM model it loaded: the layers to serve, a compute function that runs one
 layer's mlp in vLLM's forward context (with received routing when gate_on is
 "attention"), the model fingerprint and the worker's rank, device and stream.
+A multi-worker (TP/EP) FFN server's workers also get the channel on which the
+lead sends its batch plans to the followers (ffn/plan.py).
 """
+
+from datetime import timedelta
 
 import torch
 
@@ -31,15 +35,51 @@ def build_ffn_loop(vllm_config, model: torch.nn.Module, worker_rank: int):
         with override_forward_context(forward_context):
             return call_with_routing(mlps[layer], h, routing)
 
+    placement = ffn_placement(vllm_config, worker_rank)
     mc = vllm_config.model_config
     return FFNLoop(
         afd.link_config(), layers=list(mlps), compute=compute,
         hidden_size=mc.get_hidden_size(), dtype=mc.dtype,
         max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-        placement=ffn_placement(vllm_config, worker_rank),
+        placement=placement, plans=plan_channel(placement),
         routed_layers=getattr(model, "afd_routed_layers", {}),
         fingerprint=model_fingerprint(vllm_config),
         connector_kwargs=connector_kwargs(afd.connector))
+
+
+# A follower's receive waits this long for the lead's next message: the lead
+# sends one at least every batcher.KEEPALIVE_S once serving, and warm-up (before
+# it) takes far less.
+PLAN_TIMEOUT = timedelta(hours=2)
+
+
+def plan_channel(placement):
+    """The batch plans' channel of a multi-worker FFN server (None for one
+    worker): a gloo group of its own for the server's workers, so a plan's
+    broadcast never interleaves with the collectives the mlp itself issues
+    (vLLM's TP/EP groups, on the compute threads). Called on every worker, in
+    the same order (afd_start_ffn_loop runs on all of them through
+    collective_rpc): torch.distributed.new_group is collective over the world.
+    The group's first rank is the lead (FFNPlacement.group[0] is worker 0)."""
+    if len(placement.group) == 1:
+        return None
+    import torch.distributed as dist
+
+    from vllm.afd.ffn.plan import TorchDistChannel
+    from vllm.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    if tp.world_size != len(placement.group):  # topology.py: the workers are the TP group
+        raise RuntimeError(f"AFD FFN: the FFN group {placement.group} is not the tensor "
+                           f"parallel group {tp.ranks}")
+    mine = None
+    # As vLLM builds its own groups: every rank creates every TP group's (one
+    # here: no pipeline or data parallelism on the FFN role).
+    for ranks in tp.group_ranks:
+        group = dist.new_group(ranks, backend="gloo", timeout=PLAN_TIMEOUT)
+        if tp.rank in ranks:
+            mine = TorchDistChannel(group, lead_rank=ranks[0])
+    return mine
 
 
 class AFDWorkerMixin:

@@ -22,23 +22,55 @@ Failures stay with their calls: an mlp call that raises fails the calls it
 was made of (each of their threads gets the exception), and nobody else's. A
 peer whose connection fails simply leaves (end), so the others stop waiting
 for it.
+
+Roles, for the workers of a tensor/expert-parallel FFN server (ffn/plan.py):
+all of them must make the same mlp calls in the same order, so
+  "alone"     (one worker; the default) batches as above;
+  "lead"      batches as above, and sends each batch's mlp calls as a plan
+              (layer and peers' token counts, in execution order) before
+              running them; when one of its peers' sessions ends it sends
+              ["gone", peer];
+  "follower"  never decides: a thread receives the lead's plans, and a call
+              runs when the next planned mlp call names its peer; that mlp
+              call is gathered from the named peers' calls in the plan's order.
+              Each peer has at most one call pending (its session thread waits
+              in compute), so a plan names calls by peer; a planned call of
+              another layer or size is a PlanError naming both. Every wait is
+              bounded by timeout_s: a planned call that does not arrive in
+              time is a PlanError too. A PlanError breaks the follower (its mlp
+              calls no longer pair with the lead's collectives): it fails every
+              call from then on. A call no plan names within timeout_s fails
+              alone. ["gone", peer] fails that peer's waiting call if it came
+              before the message (the lead will never plan it; a call of the
+              peer's next session, arriving later, waits for its plans).
 """
 
+import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
 
+from vllm.afd.ffn.plan import PlanChannel, PlanError
 from vllm.afd.transport.connectors.codec import Packed
 from vllm.afd.transport.wire import Routing
 
+logger = logging.getLogger(__name__)
+
 # How long a pending call waits for the other peers' calls to join it.
 DEFAULT_WINDOW_S = 0.002
+# A lead that sent nothing for this long sends ["idle"] (keepalive()): a
+# follower's receive never sits long enough for its channel to time out.
+KEEPALIVE_S = 60.0
+# How often a waiting follower call looks at its deadlines.
+FOLLOWER_POLL_S = 0.05
+ROLES = ("alone", "lead", "follower")
 
 
 class _Call:
-    __slots__ = ("layer", "h", "peer", "routing", "out", "error", "done")
+    __slots__ = ("layer", "h", "peer", "routing", "out", "error", "done", "seq", "since")
 
     def __init__(self, layer: int, h: "torch.Tensor | Packed", peer: int,
                  routing: Routing | None = None) -> None:
@@ -46,6 +78,8 @@ class _Call:
         self.out: torch.Tensor | None = None
         self.error: BaseException | None = None  # its mlp call failed
         self.done = False
+        self.seq = 0  # follower: arrival order (against ["gone", peer])
+        self.since = 0.0  # follower: when it arrived
 
     def result(self) -> torch.Tensor:
         if self.error is not None:
@@ -58,10 +92,17 @@ class LayerBatcher:
     calls came with routing."""
 
     def __init__(self, run_mlp: Callable[..., torch.Tensor], max_tokens: int,
-                 window_s: float = DEFAULT_WINDOW_S) -> None:
+                 window_s: float = DEFAULT_WINDOW_S, *, role: str = "alone",
+                 plans: PlanChannel | None = None, timeout_s: float = 60.0) -> None:
+        if role not in ROLES:
+            raise ValueError(f"LayerBatcher role: {role!r} is not one of {ROLES}")
+        if (role == "alone") != (plans is None):
+            raise ValueError(f"LayerBatcher role {role!r}: a plan channel is needed exactly "
+                             f"for 'lead' and 'follower'")
         self.run_mlp = run_mlp
         self.max_tokens = max_tokens
         self.window_s = window_s
+        self.role, self.plans, self.timeout_s = role, plans, timeout_s
         self.cv = threading.Condition()
         self.pending: list[_Call] = []
         self.active: set[int] = set()  # peers inside a step
@@ -69,6 +110,64 @@ class LayerBatcher:
         self.batches = 0  # mlp calls made
         self.calls = 0  # compute() calls served
         self.largest = 0  # tokens of the largest mlp call made
+        self.closed = False
+        # lead
+        self._last_sent = time.monotonic()
+        # follower: peer -> its waiting call; the lead's plans not run yet, one
+        # ("run", layer, [(peer, num_tokens), ...]) or ("gone", peer, seq) each
+        self.waiting: dict[int, _Call] = {}
+        self.todo: deque[tuple] = deque()
+        self.head_since = time.monotonic()  # when todo[0] became the next to run
+        self.seq = 0
+        self.broken: PlanError | None = None
+        self.receiver: threading.Thread | None = None
+        if role == "follower":
+            self.receiver = threading.Thread(target=self._receive, daemon=True,
+                                             name="afd-ffn-plans")
+            self.receiver.start()
+
+    # --- lead: sending plans ----------------------------------------------
+    def _send(self, message: list) -> None:
+        self.plans.send(message)  # thread-safe (PlanChannel)
+        self._last_sent = time.monotonic()
+
+    def leave(self, peer: int) -> None:
+        """The session of `peer` ended (for good: a new one is a new peer)."""
+        if self.role == "lead" and not self.closed:
+            try:
+                self._send(["gone", peer])
+            except Exception as e:  # noqa: BLE001 - the followers time its call out
+                logger.warning("AFD FFN lead: cannot tell the followers that attention "
+                               "rank %d left: %s", peer, e)
+
+    def keepalive(self) -> None:
+        """Lead: called now and then (the accept loop); sends ["idle"] when it
+        sent nothing for KEEPALIVE_S."""
+        if (self.role == "lead" and not self.closed
+                and time.monotonic() - self._last_sent > KEEPALIVE_S):
+            self._send(["idle"])
+
+    def close(self) -> None:
+        """The loop stops: a lead tells its followers (their receivers end)."""
+        with self.cv:
+            if self.closed:
+                return
+            self.closed = True
+            if self.role == "follower":  # its waiting calls will never be planned now
+                self.broken = self.broken or PlanError("AFD FFN follower: the loop stopped")
+                self._break(self.broken)
+            self.cv.notify_all()
+        if self.role == "lead":
+            # A follower gone already must not hold the stop: bounded, on the side.
+            sender = threading.Thread(target=self._send_stop, daemon=True)
+            sender.start()
+            sender.join(2.0)
+
+    def _send_stop(self) -> None:
+        try:
+            self.plans.send(["stop"])
+        except Exception as e:  # noqa: BLE001 - stopping anyway
+            logger.debug("AFD FFN lead: stop not sent: %s", e)
 
     def begin(self, peer: int) -> None:
         with self.cv:
@@ -85,6 +184,8 @@ class LayerBatcher:
             raise ValueError(f"AFD FFN: a call of {h.shape[0]} tokens from attention rank "
                              f"{peer}; the FFN is sized for {self.max_tokens}")
         call = _Call(layer, h, peer, routing)
+        if self.role == "follower":
+            return self._follow(call)
         with self.cv:
             self.pending.append(call)
             self.cv.notify_all()
@@ -121,13 +222,19 @@ class LayerBatcher:
         by_layer: dict[int, list[_Call]] = {}
         for c in sorted(batch, key=lambda c: (c.layer, c.peer)):
             by_layer.setdefault(c.layer, []).append(c)
-        for layer, calls in by_layer.items():
-            for group in self._within_budget(calls):
-                try:
-                    self._run_group(layer, group)
-                except Exception as e:  # noqa: BLE001 - each of its calls raises it
-                    for c in group:
-                        c.error = e
+        groups = [(layer, group) for layer, calls in by_layer.items()
+                  for group in self._within_budget(calls)]
+        if self.role == "lead":
+            # Sent before running: the followers start while the lead computes,
+            # and meet it in each mlp call's collectives.
+            self._send(["plan", [[layer, [[c.peer, c.h.shape[0]] for c in group]]
+                                 for layer, group in groups]])
+        for layer, group in groups:
+            try:
+                self._run_group(layer, group)
+            except Exception as e:  # noqa: BLE001 - each of its calls raises it
+                for c in group:
+                    c.error = e
 
     def _within_budget(self, calls: list[_Call]) -> list[list[_Call]]:
         """Consecutive groups of calls of at most max_tokens tokens each."""
@@ -163,6 +270,154 @@ class LayerBatcher:
         self.batches += 1
         self.largest = max(self.largest, x.shape[0])
 
+
+    # --- follower -----------------------------------------------------------
+    def _receive(self) -> None:
+        """The follower's receiving thread: the lead's messages, in order, into todo."""
+        while True:
+            try:
+                message = self.plans.recv()
+            except BaseException as e:  # noqa: BLE001 - the plans are lost for good
+                with self.cv:
+                    if not self.closed:
+                        self._break(PlanError(f"AFD FFN follower: the lead's plans were "
+                                              f"lost: {type(e).__name__}: {e}"))
+                return
+            kind = message[0]
+            with self.cv:
+                if kind == "stop":
+                    self.closed = True
+                    self.cv.notify_all()
+                    return
+                if not self.todo:
+                    self.head_since = time.monotonic()
+                if kind == "plan":
+                    for layer, rows in message[1]:
+                        self.todo.append(("run", layer, [(p, n) for p, n in rows]))
+                elif kind == "gone":
+                    self.seq += 1
+                    self.todo.append(("gone", message[1], self.seq))
+                self.cv.notify_all()
+
+    def _break(self, error: PlanError) -> None:
+        """The follower can no longer pair its mlp calls with the lead's (called
+        with self.cv held): every call, waiting or to come, fails with error."""
+        if self.broken is None:
+            self.broken = error
+            logger.error("%s", error)
+        for c in self.waiting.values():
+            c.error, c.done = self.broken, True
+        self.waiting.clear()
+        self.cv.notify_all()
+
+    def _next_group(self) -> "tuple[int, list[_Call]] | None":
+        """The next planned mlp call, when all its calls are here (self.cv held).
+        Applies the ["gone", peer] messages before it."""
+        while self.todo and self.todo[0][0] == "gone":
+            _, peer, seq = self.todo.popleft()
+            self.head_since = time.monotonic()
+            call = self.waiting.get(peer)
+            if call is not None and call.seq < seq:
+                del self.waiting[peer]
+                call.error = PlanError(f"AFD FFN follower: the lead's session of attention "
+                                       f"rank {peer} ended before its layer {call.layer} "
+                                       f"call was planned")
+                call.done = True
+                self.cv.notify_all()
+        if not self.todo:
+            return None
+        _, layer, rows = self.todo[0]
+        calls = []
+        for peer, n in rows:
+            call = self.waiting.get(peer)
+            if call is None:
+                return None
+            if call.layer != layer or call.h.shape[0] != n:
+                self._break(PlanError(
+                    f"AFD FFN follower: the lead planned layer {layer} with {n} token(s) of "
+                    f"attention rank {peer}, but this worker has layer {call.layer} with "
+                    f"{call.h.shape[0]} token(s) of it"))
+                return None
+            calls.append(call)
+        self.todo.popleft()
+        for call in calls:
+            del self.waiting[call.peer]
+        return layer, calls
+
+    def _planned(self, peer: int) -> bool:
+        return any(item[0] == "run" and any(p == peer for p, _ in item[2])
+                   for item in self.todo)
+
+    def _follow(self, call: _Call) -> torch.Tensor:
+        with self.cv:
+            if self.broken is not None:
+                raise self.broken
+            if call.peer in self.waiting:  # its session thread waits in compute
+                raise RuntimeError(f"AFD FFN follower: attention rank {call.peer} has a "
+                                   f"call waiting already")
+            self.seq += 1
+            call.seq, call.since = self.seq, time.monotonic()
+            self.waiting[call.peer] = call
+            self.cv.notify_all()
+        while True:
+            # Whoever finds the next planned mlp call ready runs it, its own or
+            # not (one at a time, in the plan's order), then looks again.
+            found = self._await_turn(call)
+            if found is None:
+                return call.result()
+            layer, calls = found
+            try:
+                self._run_group(layer, calls)
+            except Exception as e:  # noqa: BLE001 - each of its calls raises it
+                for c in calls:
+                    c.error = e
+            finally:
+                with self.cv:
+                    self.calls += len(calls)
+                    for c in calls:
+                        c.done = True
+                    self.computing = False
+                    self.head_since = time.monotonic()
+                    self.cv.notify_all()
+
+    def _await_turn(self, call: _Call) -> "tuple[int, list[_Call]] | None":
+        """None when `call` is done; else the next planned mlp call, ready to
+        run by this thread (self.computing set)."""
+        with self.cv:
+            while True:
+                if call.done:
+                    return None
+                if self.broken is not None:
+                    if self.waiting.get(call.peer) is call:
+                        self._break(self.broken)  # fails this call too
+                        continue
+                    self.cv.wait(FOLLOWER_POLL_S)  # in a group being run: it ends it
+                    continue
+                if not self.computing:
+                    found = self._next_group()
+                    if found is not None:
+                        self.computing = True
+                        return found
+                    if call.done or self.broken is not None:
+                        continue
+                now = time.monotonic()
+                if not self.computing and self.todo and now - self.head_since > self.timeout_s:
+                    _, layer, rows = self.todo[0]
+                    missing = [p for p, _ in rows if p not in self.waiting]
+                    self._break(PlanError(
+                        f"AFD FFN follower: the lead planned layer {layer} with attention "
+                        f"rank(s) {[p for p, _ in rows]}, but the call(s) of {missing} did "
+                        f"not arrive within {self.timeout_s:g}s"))
+                    continue
+                if (self.waiting.get(call.peer) is call and not self._planned(call.peer)
+                        and now - call.since > self.timeout_s):
+                    del self.waiting[call.peer]
+                    call.error = PlanError(
+                        f"AFD FFN follower: the lead planned no call for layer {call.layer} "
+                        f"of attention rank {call.peer} within {self.timeout_s:g}s")
+                    call.done = True
+                    continue
+                self.cv.wait(FOLLOWER_POLL_S)
 
 def gather(parts: "list[torch.Tensor | Packed]") -> torch.Tensor:
     """The peers' rows joined into one MoE input, in order; packed (fp8) parts

@@ -16,9 +16,11 @@ device and stream of whoever started it, and:
    until that session ends, then may reconnect. All sessions hand their
    calls to one LayerBatcher, which joins the same layer of every peer inside
    a step into mlp calls of at most max_tokens tokens (a lone peer's calls
-   run at once). In a tensor/expert-parallel FFN server (one attention peer,
-   topology.py) every worker computes every token; only the group's lead
-   answers.
+   run at once). In a tensor/expert-parallel FFN server (topology.py) every
+   worker computes every token of every peer; only the group's lead answers.
+   Its workers' mlp calls meet in vLLM's collectives, so they must be the same
+   on all of them: the lead's batcher decides and sends each batch as a plan
+   over `plans` (ffn/plan.py), the followers' batchers run exactly those.
 
 A failing mlp call is reported to the attention peers whose tokens it held
 (an ErrorFrame), so their servers' errors name it, and ends their sessions. A
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 
 from vllm.afd.ffn.batcher import LayerBatcher
+from vllm.afd.ffn.plan import PlanChannel, PlanError
 from vllm.afd.observability.metrics import LATENCY_BUCKETS_S, TOKEN_BUCKETS, Histogram
 from vllm.afd.observability.stats import LinkStats, now
 from vllm.afd.topology import FFNPlacement
@@ -83,11 +86,14 @@ class FFNLoop:
                  fingerprint: dict[str, str] | None = None,
                  connector_kwargs: dict[str, Any] | None = None,
                  warmup_sizes: list[int] | None = None,
+                 plans: PlanChannel | None = None,
                  on_thread: Callable[[str, DeviceContext], None] | None = None):
         """layers: the decoder layers to serve. routed_layers: MoE layer ->
         experts per token, when gate_on is "attention" (their routing comes
         with the hidden states). warmup_sizes: token counts to warm up with
-        (default warmup_buckets(max_tokens); [] for none)."""
+        (default warmup_buckets(max_tokens); [] for none). plans: the channel
+        of a multi-worker group's batch plans (the lead sends, the followers
+        follow; None for a worker alone)."""
         self.config = LinkConfig.of(config)
         self.placement = placement
         self.layers = sorted(layers)
@@ -110,7 +116,9 @@ class FFNLoop:
         self._threads: dict[int, threading.Thread] = {}
         self._lock = threading.Lock()
         # Shared by every session: joins the same layer of the peers inside a step.
-        self.batcher = LayerBatcher(self._run_mlp, max_tokens=max_tokens)
+        role = "alone" if plans is None else "lead" if placement.is_lead else "follower"
+        self.batcher = LayerBatcher(self._run_mlp, max_tokens=max_tokens, role=role,
+                                    plans=plans, timeout_s=self.config.timeout_s)
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
         self.error: str | None = None  # fatal: the loop stopped
@@ -140,6 +148,7 @@ class FFNLoop:
         """Close the gate and every session (unblocking their receives), and
         wait for the threads."""
         self.stop_event.set()
+        self.batcher.close()
         if self.gate is not None:
             self.gate.close()
         with self._lock:
@@ -165,6 +174,8 @@ class FFNLoop:
                 "ready": self.ready.is_set(), "error": self.error,
                 "steps": stats.steps, "stats": stats.as_dict(),
                 "rank": self.placement.rank, "group": self.placement.group,
+                "batching": self.batcher.role,
+                "plan_error": None if self.batcher.broken is None else str(self.batcher.broken),
                 "serving": list(self.serving), "last_peer_error": self.last_error,
                 "last_refusal": self._last_refusal(), "warmup": dict(self.warmup),
                 "layers": list(self.layers), "link": self.document()}
@@ -275,6 +286,11 @@ class FFNLoop:
         """Give each attention peer that comes its own session, any time."""
         while not self.stop_event.is_set():
             try:
+                self.batcher.keepalive()  # a lead idle for long: its followers hear it
+            except Exception as e:  # noqa: BLE001 - the followers time out and say so
+                logger.warning("AFD FFN rank %d: keepalive to the followers failed: %s",
+                               self.placement.rank, e)
+            try:
                 # busy is read when a Hello arrives: a live view of the sessions.
                 conn = gate.accept_session(ACCEPT_POLL_S, busy=self._sessions.keys())
             except Exception as e:
@@ -312,6 +328,9 @@ class FFNLoop:
                 self._peer_failed(peer, e)
         finally:
             conn.close()
+            # Before the rank may connect again (still in _sessions): the
+            # followers drop its call that no plan will name.
+            self.batcher.leave(peer)
             with self._lock:
                 if self._sessions.get(peer) is conn:
                     del self._sessions[peer]
@@ -384,7 +403,7 @@ class FFNLoop:
                         t1 = now()
                         try:
                             out = batcher.compute(layer_idx, h, peer, routing)
-                        except FFNComputeError as e:
+                        except (FFNComputeError, PlanError) as e:
                             # The attention side fails with this text, not "goodbye".
                             conn.report_error(str(e))
                             raise

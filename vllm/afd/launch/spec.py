@@ -228,12 +228,6 @@ def check(spec: DeploymentSpec) -> None:
                         f"(connector, afd_port, num_ubatches, secret, the servers); remove it")
     if not 1 <= spec.num_ubatches <= MAX_UBATCHES:
         raise SpecError(f"num_ubatches: {spec.num_ubatches} is not in 1-{MAX_UBATCHES}")
-    if spec.ffn.tensor_parallel_size > 1 and spec.num_attention_ranks > spec.ffn.servers:
-        # vllm/afd/topology.py: a multi-worker FFN server serves one attention rank.
-        raise SpecError(f"ffn.tensor_parallel_size: an FFN server with "
-                        f"{spec.ffn.tensor_parallel_size} workers serves one attention rank, "
-                        f"but {spec.num_attention_ranks} attention ranks share "
-                        f"{spec.ffn.servers} FFN server(s); add FFN servers or use one worker")
     if spec.connector == "shm" and spec.placement == "spread":
         raise SpecError("placement: 'spread' puts servers on several nodes, but connector "
                         "'shm' needs them all on one; use connector 'tcp'")
