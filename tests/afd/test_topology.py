@@ -9,9 +9,9 @@ Every attention server in a deployment must give exactly plain vLLM's tokens:
          on vLLM's Ray DP backend
   2A:2F  one FFN server with tensor parallelism 2 serving two attention
          servers (both ranks get every token of both, the lead decides the
-         batches and answers, the follower runs the lead's plans)
-  1A:2F  the same with expert parallelism (4 of the 8 experts per rank) on
-         vLLM's Ray executor
+         batches and answers, the follower runs the lead's plans), and the
+         same with expert parallelism (4 of the 8 experts per rank) on vLLM's
+         Ray executor
 Independent attention servers are in-process LLMs (tools/oracle.py) run side
 by side, the data-parallel one a `vllm serve` answering the openai client; the
 FFN servers are `vllm serve --afd-role ffn` processes. The Ray cases use the
@@ -148,17 +148,14 @@ def test_three_attention_two_ffn_uneven_with_data_parallel(models_dir, tmp_path,
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["tp", "ep"])
 def test_one_attention_two_ffn_ranks(models_dir, tmp_path, parallel, request):
-    """2A:2F: the tensor-parallel FFN server runs its two workers on mp and
-    serves two attention servers at once (attention rank 1 through the
-    follower's address), its workers following the lead's batch plans. 1A:2F:
-    the expert-parallel one on vLLM's Ray executor (RayExecutorV2, the workers
-    Ray actors in a placement group of the test's local Ray head)."""
+    """2A:2F: one FFN server of two workers serves two attention servers at
+    once (attention rank 1 through the follower's address), its workers
+    following the lead's batch plans. The tensor-parallel one runs its workers
+    on mp, the expert-parallel one on vLLM's Ray executor (RayExecutorV2, the
+    workers Ray actors in a placement group of the test's local Ray head)."""
     base = {"connector": "shm" if parallel == "tp" else "tcp", "port": free_port(),
-            "timeout_s": 120, "num_ffn_ranks": 2}
-    attention = [base]
-    if parallel == "tp":
-        base["num_attention_ranks"] = 2
-        attention = [{**base, "attention_rank": a} for a in (0, 1)]
+            "timeout_s": 120, "num_ffn_ranks": 2, "num_attention_ranks": 2}
+    attention = [{**base, "attention_rank": a} for a in (0, 1)]
     extra, env = ["--tensor-parallel-size", "2"], {}
     if parallel == "ep":
         ray_head = request.getfixturevalue("ray_head")
@@ -190,9 +187,8 @@ def test_one_attention_two_ffn_ranks(models_dir, tmp_path, parallel, request):
     # Both ranks computed every step of every peer; only the lead answered.
     steps = sum(r["link_stats"]["steps"] for r in results)
     assert workers[0]["steps"] == workers[1]["steps"] == steps
-    if parallel == "tp":
-        assert [w["batching"] for w in workers] == ["lead", "follower"]
-        assert workers[1]["plan_error"] is None
+    assert [w["batching"] for w in workers] == ["lead", "follower"]
+    assert workers[1]["plan_error"] is None
 
 
 # ---------------------------------------------------------------- layout rules
