@@ -273,7 +273,10 @@ def shm_segments(port: int) -> list[str]:
 
 def stop_and_check(server: Server) -> None:
     """SIGTERM the server's main process (as `kill PID`, systemd or docker stop
-    do): it must stop its children itself and exit 0."""
+    do): it must stop its children itself and exit 0. Its log from the
+    SIGTERM on is checked (earlier tests may have made this server log a lost
+    FFN's traceback)."""
+    before = server.log_path.stat().st_size
     t0 = time.monotonic()
     os.kill(server.proc.pid, signal.SIGTERM)
     code = server.proc.wait(timeout=60)
@@ -285,7 +288,9 @@ def stop_and_check(server: Server) -> None:
             + subprocess.run(["ps", "-o", "pid,args", "-g", str(server.proc.pid)],
                              capture_output=True, text=True).stdout)
         time.sleep(0.2)
-    log = server.log_path.read_text()
+    with open(server.log_path, "rb") as f:
+        f.seek(before)
+        log = f.read().decode(errors="replace")
     # vLLM's own shutdown (plain too) may log a traceback of its output handler
     # and resource-tracker notes; none of it may come from or through AFD code.
     for bad in ('/vllm/afd/', "died unexpectedly", "stop failed"):

@@ -303,6 +303,10 @@ def test_pool_of_ffn_servers_under_kills(models_dir, tmp_path):
         def status(server: Server) -> dict:
             return json.loads(server.get("/afd/status")[1])["links"][0]
 
+        # C starts now, outside the pool (its start-up overlaps act 1).
+        c = ffn("ffn-c")
+        servers.append(c)
+
         # 1. FFN A killed under load.
         started = [threading.Event(), threading.Event()]
         streams = [work.submit(stream, attns[r], started[r]) for r in (0, 1)]
@@ -328,8 +332,6 @@ def test_pool_of_ffn_servers_under_kills(models_dir, tmp_path):
         assert "vllm_afd_failovers_total" in metrics and "vllm_afd_pool_member_up" in metrics
 
         # 2. FFN C joins under load.
-        c = ffn("ffn-c")
-        servers.append(c)
         c.wait_ready()
         pool_file.write_text(f"127.0.0.1:{b.afd_port}\n127.0.0.1:{c.afd_port}\n")
         endpoint_c = f"127.0.0.1:{c.afd_port}"
