@@ -263,6 +263,35 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
                     self.name, self.address)
         return session
 
+    def _accept_expected(self, deadline: float) -> None:
+        """accept()'s rendezvous, after _listen(): handshake incoming peers on
+        this connector until every expected attention rank is here."""
+        expected = self.expected_peers()
+        missing = lambda: [p for p in expected if p not in self._links]  # noqa: E731
+        on_wait = self._waiter(f"attention rank(s) {missing()} to connect", deadline,
+                               connecting=True)
+        while missing():
+            remaining = self._wait_budget(
+                deadline, f"attention rank(s) {missing()} on {self.address}",
+                f"{self.me} waited {self.timeout_s:g}s on {self.address} for attention "
+                f"rank(s) {missing()} to connect; is the attention server running with "
+                f"the same host, port and connector '{self.name}'?{self._refusal_note()}")
+            incoming = self._next_link(min(remaining, LOG_INTERVAL_S))
+            if incoming is None:
+                on_wait()
+                continue
+            link, source = incoming
+            hello_deadline = min(deadline, time.monotonic() + self._hello_timeout())
+            if self._handshake_as_ffn(link, source, hello_deadline) is None:
+                link.close()
+
+    def _refusal_note(self) -> str:
+        if not self.handshake_failures:
+            return ""
+        last = f"; the last refusal: {self.last_refusal}" if self.last_refusal else ""
+        return (f" ({self.handshake_failures} connection(s) dropped or refused during the "
+                f"handshake{last})")
+
     def close(self) -> None:
         """Say goodbye to the peers (best effort) and release sockets, buffers
         and shared memory. Idempotent. A gate's sessions are not closed with

@@ -145,22 +145,7 @@ class LoopbackConnector(AFDConnector):
 
     def _accept_peers(self, deadline: float) -> None:
         self._listen()
-        expected = self.expected_peers()
-        missing = lambda: [p for p in expected if p not in self._links]  # noqa: E731
-        on_wait = self._waiter(f"attention rank(s) {missing()} to connect", deadline,
-                               connecting=True)
-        while missing():
-            remaining = self._wait_budget(
-                deadline, f"attention rank(s) {missing()} on {self.address}",
-                f"{self.me} waited {self.timeout_s:g}s on {self.address} for attention "
-                f"rank(s) {missing()} to connect")
-            incoming = self._next_link(min(remaining, LOG_INTERVAL_S))
-            if incoming is None:
-                on_wait()
-                continue
-            link, source = incoming
-            if self._handshake_as_ffn(link, source, deadline) is None:
-                link.close()
+        self._accept_expected(deadline)
         self._stop_listening()
 
     def _stop_listening(self) -> None:

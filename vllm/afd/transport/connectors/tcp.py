@@ -315,24 +315,7 @@ class TcpConnector(AFDConnector):
         return min(self.timeout_s, HELLO_TIMEOUT_S)
 
     def _accept_peers(self, deadline: float) -> None:
-        expected = self.expected_peers()
-        missing = lambda: [p for p in expected if p not in self._links]  # noqa: E731
-        on_wait = self._waiter(f"attention rank(s) {missing()} to connect", deadline,
-                               connecting=True)
-        while missing():
-            remaining = self._wait_budget(
-                deadline, f"attention rank(s) {missing()} on {self.address}",
-                f"{self.me} waited {self.timeout_s:g}s on {self.address} for attention "
-                f"rank(s) {missing()} to connect; is the attention server running with "
-                f"the same host, port and connector '{self.name}'?{self._refusal_note()}")
-            incoming = self._next_link(min(remaining, LOG_INTERVAL_S))
-            if incoming is None:
-                on_wait()
-                continue
-            link, source = incoming
-            hello_deadline = min(deadline, time.monotonic() + self._hello_timeout())
-            if self._handshake_as_ffn(link, source, hello_deadline) is None:
-                link.close()
+        self._accept_expected(deadline)
         # All peers are here. Keep the port: whoever knocks during the session is
         # told why it cannot join (its mismatches, or that its rank is taken).
         self._keep_the_gate()
@@ -360,13 +343,6 @@ class TcpConnector(AFDConnector):
         self._gatekeeper = threading.Thread(target=run, name=f"afd-gate-{self.port}",
                                             daemon=True)
         self._gatekeeper.start()
-
-    def _refusal_note(self) -> str:
-        if not self.handshake_failures:
-            return ""
-        last = f"; the last refusal: {self.last_refusal}" if self.last_refusal else ""
-        return (f" ({self.handshake_failures} connection(s) dropped or refused during the "
-                f"handshake{last})")
 
     def peer_closed(self) -> bool:
         """Whether a peer's end of the connection hung up (FIN, reset), even
