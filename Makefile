@@ -19,7 +19,7 @@ AFD_SOURCES := $(shell git ls-files vllm/afd csrc patches) setup.py pyproject.to
 WHEEL_STAMP := build/.installed-$(FLAVOR)
 CUDA_WHEEL_STAMP := build/.cuda-wheel
 
-.PHONY: demo test cuda-wheel bench bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
+.PHONY: demo test cuda-wheel bench plan-check bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
 
 demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
@@ -45,6 +45,16 @@ bench: $(WHEEL_STAMP)
 	$(PY) tools/make_tiny_models.py --out $(MODELS) --models bench-qwen3-moe
 	$(PIP) install -q $(BENCH_REQUIREMENTS)
 	$(PY) benchmarks/afd_vs_colocated.py $(ARGS)
+
+# `vllm-afd plan`'s cpu profile re-measured on this host (about 30 s), then its
+# prediction against the last `make bench` (prints the table; misses beyond 15 % are
+# reported, not fatal), then the planner's tests (same host, strict xfail).
+CPU_PROFILE := benchmarks/results/cpu-profile.toml
+plan-check: $(WHEEL_STAMP)
+	$(PY) -m vllm.afd.commands plan --calibrate --out $(CPU_PROFILE)
+	-$(PY) -m vllm.afd.commands plan --check-bench benchmarks/results/afd_vs_colocated.json \
+		--hardware $(CPU_PROFILE)
+	$(VENV)/bin/pytest -q -p no:randomly tests/afd/test_planner.py
 
 # Launch-to-ready time of `vllm-afd launch` (1A:1F shm, 2A:1F tcp) against starting
 # the same servers by hand, on a local Ray cluster. Results in benchmarks/results/launch_time.json.

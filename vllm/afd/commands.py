@@ -3,6 +3,8 @@
 """The `vllm-afd` command: deployment tools beside `vllm serve`.
 
   vllm-afd launch SPEC [--address auto] [--dry-run]   (vllm/afd/launch/)
+  vllm-afd plan [--model M] [--hardware H] [--tpot-ms 50] [--context 4096]
+                [--json] [--plot FILE.png] | --calibrate [--out FILE]  (vllm/afd/planner/)
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--log-dir", default=None,
                         help="where each node writes its servers' logs (default: "
                              "$TMPDIR/vllm-afd-launch)")
+    plan = commands.add_parser(
+        "plan", help="size an AFD deployment: A, F, micro-batches and batch under a TPOT SLO",
+        description="From a model's shapes and a hardware profile: per-layer attention, FFN "
+                    "and transfer times, the overlap of m micro-batches, and the attention "
+                    "devices, FFN devices, m and batch with the most tokens/s per device "
+                    "under the TPOT SLO, with the limiting regime.")
+    from vllm.afd.planner.cli import add_arguments
+
+    add_arguments(plan)
     return parser
 
 
@@ -48,6 +59,17 @@ def main(argv: list[str] | None = None) -> int:
         except LaunchError as e:
             print(f"vllm-afd launch: {e}", file=sys.stderr)
             return 1
+    if args.command == "plan":
+        import logging
+
+        from vllm.afd.planner.cli import run
+
+        logging.basicConfig(level=logging.INFO)
+        try:
+            return run(args)
+        except ValueError as e:
+            print(f"vllm-afd plan: {e}", file=sys.stderr)
+            return 2
     return 2
 
 

@@ -1,0 +1,248 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""`vllm-afd plan`: the planner against published budgets (Step-3, MegaScale-Infer),
+published model sizes, its own event simulation, and this CPU's `make bench`.
+No engine runs here; the whole module takes a few seconds."""
+
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from vllm.afd.planner import benchcheck, cost, pipeline
+from vllm.afd.planner.calibrate import fit_link
+from vllm.afd.planner.hardware import Link, builtin_names, load_hardware
+from vllm.afd.planner.model import PRESETS, from_hf_config, load_model, transfer_bytes_per_token
+from vllm.afd.planner.search import REGIMES, evaluate, search
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH_JSON = REPO / "benchmarks/results/afd_vs_colocated.json"
+CPU_PROFILE = REPO / "benchmarks/results/cpu-profile.toml"
+
+
+# ------------------------------------------------------------------ Step-3
+def test_step3_published_budget():
+    """Step-3: 61 layers, 50 ms TPOT, 3 micro-batches -> ~273 us per stage; 128-token
+    micro-batches from 2 attention instances per FFN GPU at hidden 7168, fp8 A->F and
+    bf16 F->A need ~161 Gbps per FFN GPU (2 x 128 x 7168 x (1 + 2) B per 273 us)."""
+    step3 = load_model("step3")
+    assert (step3.layers, step3.hidden, step3.a2f_dtype, step3.f2a_dtype) == (
+        61, 7168, "fp8", "bf16")
+    stage = pipeline.stage_budget(0.050, step3.layers, 3)
+    assert stage == pytest.approx(273.2e-6, rel=1e-3)
+    tokens = 2 * 128
+    bare = tokens * (transfer_bytes_per_token(7168, "fp8", with_scales=False)
+                     + transfer_bytes_per_token(7168, "bf16"))
+    assert bare == 2 * 128 * 7168 * 3
+    assert bare / stage * 8 / 1e9 == pytest.approx(161.3, rel=2e-3)
+    # the same through the planner's transfer model on a 161.3 Gbps NIC: A->F 91 us,
+    # F->A 182 us, filling the stage exactly
+    nic = Link(bandwidth=161.3e9 / 8, latency=0.0)
+    a2f, _ = cost.transfer(transfer_bytes_per_token(7168, "fp8", with_scales=False), tokens, nic)
+    f2a, _ = cost.transfer(step3.f2a_bytes_per_token(), tokens, nic)
+    assert a2f == pytest.approx(91e-6, rel=0.01) and f2a == pytest.approx(182e-6, rel=0.01)
+    assert a2f + f2a == pytest.approx(stage, rel=2e-3)
+    # vllm-afd's fp8 carries a float32 scale per 128 elements: +3.1 %, so 166 Gbps
+    ours = tokens * (step3.a2f_bytes_per_token() + step3.f2a_bytes_per_token())
+    assert step3.a2f_bytes_per_token() == 7392
+    assert ours / stage * 8 / 1e9 == pytest.approx(161.3 * (1 + 224 / (3 * 7168)), rel=2e-3)
+
+
+# ------------------------------------------------------------------ MegaScale-Infer
+@pytest.mark.parametrize("tc_over_tf, m_min", [(0.0, 2), (0.1, 3), (0.5, 3), (0.51, 4),
+                                               (1.0, 4), (1.5, 5)])
+def test_megascale_microbatch_rule(tc_over_tf, m_min):
+    """m >= 2 (1 + Tc/Tf); with Ta = Te = Tf the cycle hides the link from m_min on
+    and not below it."""
+    tf, tc = 1.0, tc_over_tf
+    assert pipeline.min_microbatches(tc, tf) == m_min
+    for m in range(1, 7):
+        hidden = pipeline.layer_cycle(tf, tf, tc, tc, m) == pytest.approx(m * tf)
+        assert hidden == (m >= m_min), (m, tc)
+
+
+def test_two_microbatches_never_hide_the_link():
+    """m = 2 (vLLM's DBO) loses Tf / (Tf + Tc): 91 % at Tc = 0.1 Tf, 80 % at 0.25,
+    67 % at 0.5 (anchors.md §19)."""
+    for tc, expected in ((0.1, 0.909), (0.25, 0.8), (0.5, 0.667), (1e-3, 0.999)):
+        assert pipeline.utilization(1.0, 1.0, tc, 2) == pytest.approx(expected, abs=1e-3)
+        assert pipeline.utilization(1.0, 1.0, tc, 2) < 1.0
+    assert pipeline.utilization(1.0, 1.0, 0.5, 3) == 1.0  # m = 3 hides Tc <= 0.5 Tf
+    assert pipeline.utilization(1.0, 1.0, 1.0, 4) == 1.0  # m = 4 hides Tc <= Tf
+
+
+def test_closed_form_matches_the_event_simulation():
+    """step_time (what the search uses) equals the pipeline run event by event."""
+    rng = random.Random(0)
+    for _ in range(500):
+        ta, te, tc = rng.uniform(0.1, 1), rng.uniform(0.1, 1), rng.uniform(0, 1.5)
+        m, layers = rng.randint(1, 4), rng.randint(1, 94)
+        assert pipeline.step_time(ta, te, tc, tc, m, layers) == pytest.approx(
+            pipeline.simulate_step(ta, te, tc, tc, m, layers), rel=1e-9)
+
+
+# ------------------------------------------------------------------ models
+@pytest.mark.parametrize("name, total_b", [("deepseek-v3", 671), ("qwen3-235b-a22b", 235),
+                                           ("step3", 316)])
+def test_presets_add_up_to_the_published_size(name, total_b):
+    """Attention, experts, shared experts, dense layers and embeddings of the preset
+    sum to the model's published parameter count (DeepSeek-V3 671B without its MTP
+    layer, Qwen3-235B-A22B 235B, Step-3 316B language model + 5B vision)."""
+    m = PRESETS[name]
+    total = (m.layers * m.attention_params() + m.embedding_params()
+             + m.ffn_weight_bytes() / m.weight_bytes)
+    assert total / 1e9 == pytest.approx(total_b, rel=0.03)
+
+
+def test_hf_config_of_the_bench_model_is_the_preset():
+    """tools/make_tiny_models.py's bench-qwen3-moe config, parsed, is the preset."""
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "head_dim": 128,
+           "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
+           "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 384,
+           "intermediate_size": 4096, "decoder_sparse_step": 1, "mlp_only_layers": [],
+           "vocab_size": 1024, "dtype": "bfloat16"}
+    parsed = from_hf_config(cfg, name="bench-qwen3-moe")
+    assert parsed == PRESETS["bench-qwen3-moe"].__class__(
+        **{**PRESETS["bench-qwen3-moe"].__dict__, "dense_intermediate": 4096})
+
+
+def test_deepseek_v3_config_json(tmp_path):
+    """A DeepSeek-V3 config.json (its real keys) gives MLA with a 576-element latent
+    cache, 3 dense layers, one shared expert and fp8 weights."""
+    cfg = {"hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+           "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+           "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+           "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+           "moe_intermediate_size": 2048, "intermediate_size": 18432,
+           "first_k_dense_replace": 3, "vocab_size": 129280, "torch_dtype": "bfloat16",
+           "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = load_model(str(tmp_path))
+    assert m.is_mla and m.kv_elements_per_token() == 576 and m.kv_bytes_per_token() == 1152
+    assert (m.dense_layers, m.moe_layers, m.shared_intermediate) == (3, 58, 2048)
+    assert (m.weight_dtype, m.a2f_dtype) == ("fp8", "fp8")
+    assert m.attention_params() == PRESETS["deepseek-v3"].attention_params()
+
+
+def test_unknown_model_is_a_clear_error():
+    with pytest.raises(ValueError, match="neither a preset"):
+        load_model("no-such-model")
+
+
+# ------------------------------------------------------------------ hardware
+REQUIRED = {"h100", "h200", "h800", "b200", "a100", "l40s", "h20", "ascend-910b",
+            "ascend-910c"}
+
+
+def test_every_builtin_profile_loads_with_a_source_per_number():
+    assert REQUIRED <= set(builtin_names())
+    for name in builtin_names():
+        hw = load_hardware(name)
+        assert hw.peak_flops["bf16"] > 1e13 and hw.memory_bandwidth > 1e11
+        assert {"scale_out", "scale_up"} <= set(hw.links)
+        text = (Path(hw.path)).read_text()
+        numbers = [ln for ln in text.splitlines() if re.match(r"^\w+ = [0-9]", ln)]
+        assert numbers and all("#" in ln for ln in numbers), (name, numbers)
+    assert "fp8" not in load_hardware("a100").peak_flops  # Ampere: bf16 rate for fp8
+    assert load_hardware("a100").flops("fp8") == load_hardware("a100").flops("bf16")
+
+
+def test_profiles_ship_in_the_wheel():
+    """setup.py's packages_and_data() (every non-Python file under vllm/ is package
+    data) picks the profiles up; run here on the source tree."""
+    text = (REPO / "setup.py").read_text()
+    header = text[:text.index("def ")]  # imports and constants
+    body = text[text.index("def packages_and_data"):text.index("def check_native_libraries")]
+    ns: dict = {"__file__": str(REPO / "setup.py"), "__name__": "setup_probe"}
+    exec(compile(header + body, "setup.py", "exec"), ns)  # noqa: S102 - our own file
+    _, data = ns["packages_and_data"]()
+    assert REQUIRED <= {Path(f).stem for f in data["vllm.afd.planner.profiles"]}
+
+
+# ------------------------------------------------------------------ search
+@pytest.mark.parametrize("model", ["deepseek-v3", "qwen3-235b-a22b"])
+def test_search_on_h200(model):
+    m, hw = load_model(model), load_hardware("h200")
+    results = search(m, hw, 0.050, 4096)
+    assert results
+    best = results[0]
+    assert best.tpot_s <= 0.050 and best.regime in REGIMES
+    assert best.attention_memory_bytes <= 0.9 * hw.memory_capacity
+    assert best.ffn_memory_bytes <= 0.9 * hw.memory_capacity
+    assert all(a.tokens_per_s_per_device >= b.tokens_per_s_per_device
+               for a, b in zip(results, results[1:]))
+    # the tokens/s per device really is batch x A / TPOT / (A + F)
+    assert best.tokens_per_s_per_device == pytest.approx(
+        best.batch * best.attention_devices / best.tpot_s
+        / (best.attention_devices + best.ffn_devices))
+
+
+def test_regimes_follow_the_inputs():
+    """A long context makes attention the bottleneck; many attention devices on one
+    FFN device make the FFN the bottleneck over NVLink, the link over a NIC."""
+    m, hw = load_model("qwen3-235b-a22b"), load_hardware("h200")
+    assert evaluate(m, hw, 1, 8, 2, 64, 131072).limit == "attention-bound"
+    assert evaluate(m, hw, 16, 1, 1, 64, 128, link="scale_up").limit == "FFN-bound"
+    assert evaluate(m, hw, 64, 1, 1, 64, 128, link="scale_out").limit == "link-bound"
+
+
+def test_expert_weight_reads_grow_when_the_batch_splits():
+    """Half batches re-read the experts: 8 tokens over 16 experts top-4 touch 14.4
+    experts, two halves of 4 touch 10.9 each (21.8 in all)."""
+    assert cost.experts_touched(16, 4, 8) == pytest.approx(16 * (1 - 0.75 ** 8))
+    assert 2 * cost.experts_touched(16, 4, 4) > 1.5 * cost.experts_touched(16, 4, 8)
+
+
+def test_plan_command_json_and_plot(tmp_path, capsys):
+    from vllm.afd.commands import main
+
+    assert main(["plan", "--model", "bench-qwen3-moe", "--hardware", "h100", "--json",
+                 "--top", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["regime"] in REGIMES and len(out["best"]) == 3
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plan.png"
+    assert main(["plan", "--model", "step3", "--hardware", "h800", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+# ------------------------------------------------------------------ this CPU
+def test_link_fit_recovers_latency_and_bandwidth():
+    trips = {b: 2 * 50e-6 + 2 * b / 4e9 for b in (4096, 65536, 262144)}
+    latency, bandwidth = fit_link(trips)
+    assert latency == pytest.approx(50e-6) and bandwidth == pytest.approx(4e9)
+
+
+# The calibrated profile against the committed `make bench`. Not met on this host
+# (2026-12-02): the planner's CPU model misses vLLM's own costs that no vLLM-free
+# calibration sees (its per-layer engine work, ~0.7 ms per attention layer here,
+# against ~0.14 ms of eager-torch dispatch; its CPU MoE kernel at about half the
+# FLOP/s torch's linear reaches at 8-16 rows), and the shared host's load moves the
+# calibrated link and the 2-core rates by up to 2x between runs. README "Planning a
+# deployment" has the table. strict: once a re-calibration meets 15 % everywhere for a
+# part, this xfail fails and must go.
+@pytest.fixture(scope="module")
+def cpu_rows():
+    if not CPU_PROFILE.is_file():
+        pytest.fail(f"{CPU_PROFILE} missing: `make plan-check` measures it")
+    bench = json.loads(BENCH_JSON.read_text())
+    hw = load_hardware(str(CPU_PROFILE))
+    return bench, hw, benchcheck.compare(bench, hw)
+
+
+def test_cpu_profile_and_bench_are_from_one_host(cpu_rows):
+    bench, hw, rows = cpu_rows
+    benchcheck.check_host(bench, hw)  # the same CPU model, or the comparison means nothing
+    assert len(rows) == sum(len(c["batches"]) for c in bench["afd"].values())
+    assert all(r.predicted[p] > 0 and r.measured[p] > 0 for r in rows for p in benchcheck.PARTS)
+
+
+@pytest.mark.xfail(strict=True, reason="CPU prediction not within 15 % (see the comment)")
+@pytest.mark.parametrize("part", benchcheck.PARTS)
+def test_cpu_profile_predicts_make_bench_within_15_percent(cpu_rows, part):
+    _, _, rows = cpu_rows
+    misses = {(r.batch, r.microbatches): f"{r.error(part):+.0%}" for r in rows
+              if abs(r.error(part)) > benchcheck.TOLERANCE}
+    assert not misses, f"{part}: {misses}\n{benchcheck.table(rows)}"

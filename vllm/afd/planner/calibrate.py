@@ -1,0 +1,355 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""`vllm-afd plan --calibrate`: the `cpu` hardware profile, measured on this host.
+
+What it measures, each on the cores an AFD role gets (one core per device, the
+first cores of this process's CPU set) and on two cores (what a colocated engine
+gets on the same cores):
+
+- memory bandwidth: a streaming read of a buffer far larger than the caches;
+- matmul FLOP/s per dtype as a function of the rows (tokens) of the activation:
+  small-row GEMMs run far below the core's peak on a CPU, so the profile keeps a
+  table instead of one number (the weight, 2048 x 2048, stays in the last-level cache
+  so the table is compute, not memory);
+- the same-host link: round trips of a hidden-state payload through the project's
+  real shm connector between two processes on two cores (attention end, echo FFN
+  end), per payload size; its fixed part and bandwidth by a least-squares line;
+- fixed per-layer framework cost: an eager PyTorch attention block and a MoE block
+  at width 64 (compute and memory traffic negligible), i.e. what dispatching a
+  layer's operators costs on this core.
+
+Rates are the best of a few repeats: the host may be shared, and the best run is the
+one least disturbed. The whole run takes well under a minute.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+import multiprocessing
+import os
+import platform
+import socket
+import statistics
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+GEMM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GEMM_SIZE = 2048
+LINK_HIDDEN = 2048  # the bench model's width; the line fit makes it general
+LINK_TOKENS = (1, 8, 16, 32, 64, 128)
+BANDWIDTH_BUFFER_BYTES = 256 << 20
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_cores() -> list[int]:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise RuntimeError("--calibrate needs two cores (one per AFD role)")
+    return cores[:2]
+
+
+def _best_rate(fn, amount: float, seconds: float = 0.15, max_calls: int = 400) -> float:
+    """amount / the fastest single call within about `seconds`: on a shared host the
+    fastest call is the one nothing else interrupted."""
+    fn()  # warm-up
+    best, calls, t0 = float("inf"), 0, time.perf_counter()
+    while calls < max_calls and time.perf_counter() - t0 < seconds:
+        c0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - c0)
+        calls += 1
+    return amount / best
+
+
+def memory_bandwidth(threads: int) -> float:
+    import torch
+
+    torch.set_num_threads(threads)
+    buf = torch.ones(BANDWIDTH_BUFFER_BYTES // 4, dtype=torch.float32)
+    return _best_rate(lambda: buf.sum(), BANDWIDTH_BUFFER_BYTES, seconds=0.5)
+
+
+def gemm_flops(threads: int, dtype_name: str) -> dict[int, float]:
+    import torch
+
+    torch.set_num_threads(threads)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    weight = torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype)
+    out = {}
+    for rows in GEMM_ROWS:
+        x = torch.randn(rows, GEMM_SIZE).to(dtype)
+        out[rows] = _best_rate(lambda: torch.nn.functional.linear(x, weight),
+                               2.0 * rows * GEMM_SIZE * GEMM_SIZE, seconds=0.1)
+    return out
+
+
+# ------------------------------------------------------------ framework overhead
+def _attention_block(torch, h, width: int, heads: int = 4, head_dim: int = 16):
+    """One decoder layer's attention half as an eager engine runs it, at a width
+    where compute is negligible: norm, fused qkv, q/k norms, rotary, attention over
+    a short cache, output projection, residual."""
+    F = torch.nn.functional
+    x = F.rms_norm(h, (width,))
+    qkv = F.linear(x, _attention_block.w_qkv)
+    q, k, v = qkv.split([heads * head_dim, head_dim, head_dim], dim=-1)
+    q = F.rms_norm(q.view(-1, heads, head_dim), (head_dim,))
+    k = F.rms_norm(k.view(-1, 1, head_dim), (head_dim,))
+    cos, sin = _attention_block.cos, _attention_block.sin
+    q1, q2 = q.chunk(2, dim=-1)
+    q = torch.cat((q1 * cos - q2 * sin, q2 * cos + q1 * sin), dim=-1)
+    k1, k2 = k.chunk(2, dim=-1)
+    k = torch.cat((k1 * cos - k2 * sin, k2 * cos + k1 * sin), dim=-1)
+    cache_k, cache_v = _attention_block.cache_k, _attention_block.cache_v
+    cache_k[:, -1:].copy_(k.transpose(0, 1))
+    cache_v[:, -1:].copy_(v.view(-1, 1, head_dim).transpose(0, 1))
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), cache_k.expand(heads, -1, -1),
+                                       cache_v.expand(heads, -1, -1))
+    o = F.linear(o.transpose(0, 1).reshape(-1, heads * head_dim), _attention_block.w_o)
+    return h + o
+
+
+def _moe_block(torch, h, width: int, experts: int = 16, top_k: int = 4):
+    """One decoder layer's MoE half, eager: norm, router, top-k, per-expert gather,
+    gate/up, SiLU, down, weighted scatter-add."""
+    F = torch.nn.functional
+    x = F.rms_norm(h, (width,))
+    logits = F.linear(x, _moe_block.w_router)
+    weights, ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in ids.flatten().unique().tolist():
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        gate_up = F.linear(x[rows], _moe_block.w13[e])
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, _moe_block.w2[e])
+        out.index_add_(0, rows, y * weights[rows, slot].unsqueeze(-1))
+    return h + out
+
+
+def layer_overheads(threads: int) -> dict[str, float]:
+    """Seconds per layer of operator dispatch alone (one decode token, width 64)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    width, heads, head_dim, experts = 64, 4, 16, 16
+    _attention_block.w_qkv = torch.randn((heads + 2) * head_dim, width)
+    _attention_block.w_o = torch.randn(width, heads * head_dim)
+    _attention_block.cos = torch.ones(1, 1, head_dim // 2)
+    _attention_block.sin = torch.zeros(1, 1, head_dim // 2)
+    _attention_block.cache_k = torch.randn(1, 32, head_dim)
+    _attention_block.cache_v = torch.randn(1, 32, head_dim)
+    _moe_block.w_router = torch.randn(experts, width)
+    _moe_block.w13 = torch.randn(experts, 2 * 32, width)
+    _moe_block.w2 = torch.randn(experts, width, 32)
+    h = torch.randn(1, width)
+    with torch.inference_mode():
+        attention = 1.0 / _best_rate(lambda: _attention_block(torch, h, width), 1.0)
+        ffn = 1.0 / _best_rate(lambda: _moe_block(torch, h, width), 1.0)
+    return {"attention_layer": attention, "ffn_layer": ffn}
+
+
+# ------------------------------------------------------------------ link
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _make_connector(role: str, port: int, max_tokens: int):
+    import torch
+
+    from vllm.afd.config import AFDConfig
+    from vllm.afd.transport.connectors.registry import create_connector
+
+    return create_connector(AFDConfig(role=role, connector="shm", port=port, timeout_s=60),
+                            hidden_size=LINK_HIDDEN, dtype=torch.bfloat16,
+                            max_tokens=max_tokens)
+
+
+def _echo_ffn(port: int, core: int, max_tokens: int) -> None:
+    """The FFN end: send every hidden state straight back until the goodbye."""
+    os.sched_setaffinity(0, {core})
+    import torch
+
+    torch.set_num_threads(1)
+    ffn = _make_connector("ffn", port, max_tokens)
+    try:
+        ffn.accept()
+        while True:
+            step = ffn.recv_step(0)
+            if step.is_goodbye or step.is_shutdown:
+                return
+            for u in range(len(step.num_tokens)):
+                ffn.send_output(0, 0, u, ffn.recv_hidden(0, 0, u))
+    finally:
+        ffn.close()
+
+
+def shm_round_trips(cores: list[int], iters: int = 200) -> dict[int, float]:
+    """Median round-trip seconds per payload (bytes one way), one layer per step."""
+    import torch
+
+    from vllm.afd.transport import wire
+
+    port, max_tokens = _free_port(), max(LINK_TOKENS)
+    echo = multiprocessing.get_context("spawn").Process(
+        target=_echo_ffn, args=(port, cores[1], max_tokens), daemon=True)
+    echo.start()
+    attn = _make_connector("attention", port, max_tokens)
+    out: dict[int, float] = {}
+    try:
+        attn.connect()
+        payloads = {t: torch.randn(t, LINK_HIDDEN).to(torch.bfloat16) for t in LINK_TOKENS}
+        results = {t: torch.empty_like(h) for t, h in payloads.items()}
+        times: dict[int, list[float]] = {t: [] for t in LINK_TOKENS}
+        step_ids = itertools.count()
+        # Sizes interleaved, so a burst of load elsewhere on the host hits them all
+        # alike and the line fit stays meaningful.
+        for i in range(iters + 20):
+            for tokens, h in payloads.items():
+                t0 = time.perf_counter()
+                attn.send_step(wire.StepHeader(step_id=next(step_ids),
+                                               num_tokens=[tokens]))
+                attn.send_hidden(0, 0, h)
+                attn.recv_output(0, 0, out=results[tokens])
+                if i >= 20:  # warm-up: the first steps map pages and wake threads
+                    times[tokens].append(time.perf_counter() - t0)
+        out = {t * LINK_HIDDEN * 2: statistics.median(v) for t, v in times.items()}
+    finally:
+        attn.close()
+        echo.join(20)
+        if echo.is_alive():
+            echo.kill()
+    return out
+
+
+def fit_link(round_trips: dict[int, float]) -> tuple[float, float]:
+    """(one-way latency s, bandwidth B/s) from round trip = 2 latency + 2 bytes / bw,
+    by least squares over the payload sizes."""
+    xs = [2.0 * b for b in round_trips]
+    ys = list(round_trips.values())
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    intercept = my - slope * mx
+    bandwidth = 1.0 / slope if slope > 0 else float("inf")
+    return max(intercept, 0.0) / 2.0, bandwidth
+
+
+# ------------------------------------------------------------------ profile
+def _table(rows: dict[int, float]) -> str:
+    keys = ", ".join(str(r) for r in rows)
+    values = ", ".join(f"{v:.4g}" for v in rows.values())
+    return f"{{ rows = [{keys}], flops = [{values}] }}"
+
+
+def measure() -> dict:
+    """Every number of the cpu profile, measured now."""
+    cores = device_cores()
+    t0 = time.monotonic()
+    # The link first, before this process starts OpenMP threads.
+    import torch
+
+    os.sched_setaffinity(0, {cores[0]})
+    # One thread: torch's intra-op threads on one core would stall the link's copies.
+    torch.set_num_threads(1)
+    trips = shm_round_trips(cores)
+    latency, bandwidth = fit_link(trips)
+    result = {"cores": cores, "link": {"round_trips": trips, "latency": latency,
+                                       "bandwidth": bandwidth}}
+    for name, core_set in (("device", {cores[0]}), ("colocated", set(cores))):
+        os.sched_setaffinity(0, core_set)
+        threads = len(core_set)
+        result[name] = {
+            "threads": threads,
+            "bandwidth": memory_bandwidth(threads),
+            "gemm": {d: gemm_flops(threads, d) for d in ("bf16", "fp32")},
+            "overhead": layer_overheads(threads),
+        }
+    result["seconds"] = time.monotonic() - t0
+    return result
+
+
+def profile_text(m: dict) -> str:
+    """The measurement as a hardware profile (TOML, hardware.py's schema)."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
+    lines = [
+        "# SPDX-License-Identifier: Apache-2.0",
+        "# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project",
+        "# Measured by `vllm-afd plan --calibrate` (vllm/afd/planner/calibrate.py); units: FLOP/s,",
+        "# bytes/s, bytes, seconds. One device = one core; [colocated] = both cores in one engine.",
+        'name = "cpu"',
+        f'description = "{cpu_model()}, {len(m["cores"])} cores measured"',
+        'kind = "cpu"',
+        f'cpu_model = "{cpu_model()}"',
+        f'measured = "{now}"',
+        f"calibration_seconds = {m['seconds']:.1f}",
+        "",
+    ]
+
+    def section(prefix: str, d: dict) -> None:
+        gemm = d["gemm"]
+        lines.extend([
+            f"[{prefix}compute]  # torch linear, {d['threads']} thread(s), best rate per row count",
+            f"bf16 = {max(gemm['bf16'].values()):.4g}",
+            f"fp32 = {max(gemm['fp32'].values()):.4g}",
+            f"bf16_by_rows = {_table(gemm['bf16'])}",
+            f"fp32_by_rows = {_table(gemm['fp32'])}",
+            "",
+            f"[{prefix}memory]",
+            f"bandwidth = {d['bandwidth']:.4g}  # streaming read of {BANDWIDTH_BUFFER_BYTES >> 20} MiB",
+            f"capacity = {_memory_capacity():.4g}  # MemTotal",
+            "",
+            f"[{prefix}overhead]  # eager operator dispatch per layer, width 64",
+            f"attention_layer = {d['overhead']['attention_layer']:.4g}",
+            f"ffn_layer = {d['overhead']['ffn_layer']:.4g}",
+            "",
+        ])
+
+    section("", m["device"])
+    link = m["link"]
+    lines.extend([
+        "[same_host]  # the shm connector, two processes on two cores, one layer per step",
+        f"latency = {link['latency']:.4g}  # one way: half the fitted zero-byte round trip",
+        f"bandwidth = {link['bandwidth']:.4g}",
+        f"round_trip_by_bytes = {{ {', '.join(f'b{b} = {t:.4g}' for b, t in link['round_trips'].items())} }}",
+        "",
+        "[scale_out]  # AFD on one host: the same-host link is the only link",
+        f"bandwidth = {link['bandwidth']:.4g}",
+        f"latency = {link['latency']:.4g}",
+        "",
+    ])
+    section("colocated.", m["colocated"])
+    return "\n".join(lines)
+
+
+def _memory_capacity() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def calibrate(out: str | Path) -> Path:
+    m = measure()
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile_text(m) + "\n")
+    logger.info("cpu profile written to %s (%.1f s)", path, m["seconds"])
+    return path

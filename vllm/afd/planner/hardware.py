@@ -1,0 +1,118 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""Hardware profiles: one device's peak FLOP/s per dtype, memory bandwidth and size,
+and its links (scale-out NIC, scale-up NVLink/HCCS, same-host shm), from a TOML
+file: the built-in ones in profiles/ (vendor datasheets, each number's source in a
+comment) or the `cpu` profile `vllm-afd plan --calibrate` writes.
+
+A CPU profile also holds what a GPU's peak hides: GEMM FLOP/s per activation row
+count (small-row GEMMs run far below peak on a CPU), the fixed per-layer cost of
+eager operator dispatch, and a [colocated] section measured with all the cores in
+one engine (the plain-vLLM baseline).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+LINK_KINDS = ("scale_out", "scale_up", "same_host")
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s, one direction
+    latency: float  # seconds, one way, per transfer
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    description: str
+    kind: str
+    peak_flops: dict[str, float]  # dtype -> FLOP/s
+    memory_bandwidth: float
+    memory_capacity: float
+    links: dict[str, Link]
+    # dtype -> (rows, FLOP/s) ascending; absent: the peak at every row count
+    flops_by_rows: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = field(
+        default_factory=dict)
+    attention_layer_overhead: float = 0.0  # seconds per layer and micro-batch
+    ffn_layer_overhead: float = 0.0
+    colocated: Hardware | None = None
+    cpu_model: str = ""
+    measured: str = ""
+    path: str = ""
+
+    def flops(self, dtype: str, rows: float = float("inf")) -> float:
+        """FLOP/s of a GEMM whose activation has `rows` rows. A dtype the device has
+        no fast path for (fp8 on A100 or Ascend) runs at its bf16 rate."""
+        if dtype not in self.peak_flops:
+            dtype = "bf16" if "bf16" in self.peak_flops else next(iter(self.peak_flops))
+        table = self.flops_by_rows.get(dtype)
+        if not table:
+            return self.peak_flops[dtype]
+        rows_list, rates = table
+        if rows <= rows_list[0]:
+            # below the smallest measured row count the rate scales with the rows
+            return rates[0] * max(rows, 1e-9) / rows_list[0]
+        if rows >= rows_list[-1]:
+            return rates[-1]
+        i = bisect.bisect_right(rows_list, rows)
+        r0, r1, f0, f1 = rows_list[i - 1], rows_list[i], rates[i - 1], rates[i]
+        return f0 + (f1 - f0) * (rows - r0) / (r1 - r0)
+
+    def link(self, kind: str) -> Link:
+        if kind not in self.links:
+            raise ValueError(f"{self.name} has no {kind} link (it has {', '.join(self.links)})")
+        return self.links[kind]
+
+
+def _parse(data: dict, name: str, path: str) -> Hardware:
+    compute = data.get("compute", {})
+    peaks = {k: float(v) for k, v in compute.items() if not isinstance(v, dict)}
+    tables = {k.removesuffix("_by_rows"): (tuple(int(r) for r in v["rows"]),
+                                           tuple(float(f) for f in v["flops"]))
+              for k, v in compute.items() if isinstance(v, dict)}
+    links = {k: Link(float(data[k]["bandwidth"]), float(data[k]["latency"]))
+             for k in LINK_KINDS if k in data}
+    overhead = data.get("overhead", {})
+    colocated = None
+    if "colocated" in data:
+        sub = {**{k: v for k, v in data.items() if k in LINK_KINDS}, **data["colocated"]}
+        colocated = _parse({"name": f"{name} (colocated)", **sub}, f"{name}-colocated", path)
+    return Hardware(
+        name=str(data.get("name", name)), description=str(data.get("description", "")),
+        kind=str(data.get("kind", "gpu")), peak_flops=peaks,
+        memory_bandwidth=float(data["memory"]["bandwidth"]),
+        memory_capacity=float(data["memory"]["capacity"]), links=links,
+        flops_by_rows=tables,
+        attention_layer_overhead=float(overhead.get("attention_layer", 0.0)),
+        ffn_layer_overhead=float(overhead.get("ffn_layer", 0.0)),
+        colocated=colocated, cpu_model=str(data.get("cpu_model", "")),
+        measured=str(data.get("measured", "")), path=path)
+
+
+def builtin_names() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.toml"))
+
+
+def load_hardware(spec: str) -> Hardware:
+    """A built-in name (h200, H200, ascend-910c, ...) or a path to a profile file."""
+    path = Path(spec)
+    if not path.is_file():
+        path = PROFILE_DIR / f"{spec.lower()}.toml"
+    if not path.is_file():
+        hint = " (`vllm-afd plan --calibrate --out FILE` measures this host's)" \
+            if spec.lower() == "cpu" else ""
+        raise ValueError(f"no hardware profile {spec!r}: give a file or one of "
+                         f"{', '.join(builtin_names())}{hint}")
+    with path.open("rb") as f:
+        data = tomllib.load(f)
+    return _parse(data, path.stem, str(path))
