@@ -19,7 +19,7 @@ AFD_SOURCES := $(shell git ls-files vllm/afd csrc patches) setup.py pyproject.to
 WHEEL_STAMP := build/.installed-$(FLAVOR)
 CUDA_WHEEL_STAMP := build/.cuda-wheel
 
-.PHONY: demo test cuda-wheel bench plan-check bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
+.PHONY: demo test cuda-wheel bench plan-check bench-link bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
 
 demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
@@ -55,6 +55,12 @@ plan-check: $(WHEEL_STAMP)
 	-$(PY) -m vllm.afd.commands plan --check-bench benchmarks/results/afd_vs_colocated.json \
 		--hardware $(CPU_PROFILE)
 	$(VENV)/bin/pytest -q -p no:randomly tests/afd/test_planner.py
+
+# One layer call's round trip through the shm and tcp connectors (echo FFN in
+# another process, core 1), 1 KiB to 1 MiB, and an idle link's CPU use.
+# Results in benchmarks/results/link_latency.json.
+bench-link: $(WHEEL_STAMP)
+	$(PY) benchmarks/link_latency.py $(ARGS)
 
 # Launch-to-ready time of `vllm-afd launch` (1A:1F shm, 2A:1F tcp) against starting
 # the same servers by hand, on a local Ray cluster. Results in benchmarks/results/launch_time.json.

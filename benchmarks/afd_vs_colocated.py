@@ -83,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--transfer-dtype", choices=["auto", "fp8", "fp8-to-ffn"], default="auto",
                     help="AFDConfig.transfer_dtype: auto (exact), fp8 (both ways), fp8-to-ffn "
                          "(fp8 hidden states, exact outputs); default: %(default)s")
+    ap.add_argument("--spin-us", type=int, default=None,
+                    help="shm only: connector_extra_config spin_us on both roles (how long "
+                         "a waiting side spins before it sleeps; default: the connector's)")
     ap.add_argument("--worker", choices=["llm", "floor"], help=argparse.SUPPRESS)
     ap.add_argument("--afd-config", help=argparse.SUPPRESS)
     ap.add_argument("--ffn-url", help=argparse.SUPPRESS)
@@ -139,7 +142,9 @@ def run_worker(args: argparse.Namespace, kind: str, name: str, cores: str,
            "--ubatches", ",".join(map(str, args.ubatches)),
            "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
            "--cores", cores, "--connector", args.connector,
-           "--transfer-dtype", args.transfer_dtype, *(extra or [])]
+           "--transfer-dtype", args.transfer_dtype,
+           *(["--spin-us", str(args.spin_us)] if args.spin_us is not None else []),
+           *(extra or [])]
     print(f"[bench] {name}: cores {cores}, log {log_path}", flush=True)
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
@@ -170,8 +175,11 @@ def transfer_dtype(args: argparse.Namespace) -> "str | dict[str, str]":
 
 
 def link_config(args: argparse.Namespace, port: int, num_ubatches: int) -> dict:
-    return {"connector": args.connector, "port": port, "num_ubatches": num_ubatches,
-            "timeout_s": 120, "transfer_dtype": transfer_dtype(args)}
+    config = {"connector": args.connector, "port": port, "num_ubatches": num_ubatches,
+              "timeout_s": 120, "transfer_dtype": transfer_dtype(args)}
+    if args.spin_us is not None and args.connector == "shm":
+        config["connector_extra_config"] = {"spin_us": args.spin_us}
+    return config
 
 
 def result_name(args: argparse.Namespace) -> str:
@@ -268,8 +276,16 @@ def summarize(args: argparse.Namespace, plain: dict, afd: dict[int, dict], floor
             s = decode_summary(runs, int(b), n)
             s["ratio_vs_plain"] = s["tokens_per_s"] / plain_by_b[b]["tokens_per_s"]
             s["split_ms"] = step_split(runs, n, floor[str(m)][b])
+            s["split_ms"]["link_us_per_layer"] = (
+                (s["split_ms"]["attention_blocked_on_link"] - s["split_ms"]["ffn_compute"])
+                / model_facts(args.model)["num_hidden_layers"] * 1e3)
             per_b[b] = s
         configs[f"afd_m{m}"] = {"num_ubatches": m, "engine": run["engine"], "batches": per_b}
+    bound = overlap_bound(configs, plain_by_b)
+    for cfg in configs.values():
+        for b, s in cfg["batches"].items():
+            if b in bound:
+                s["fraction_of_bound"] = s["tokens_per_s"] / bound[b]["tokens_per_s"]
     return {
         "benchmark": NAME, "machine": machine_info(),
         "cores": {"plain": PLAIN_CORES, "afd_attention": ATTENTION_CORES,
@@ -281,8 +297,29 @@ def summarize(args: argparse.Namespace, plain: dict, afd: dict[int, dict], floor
                      "transfer_dtype": transfer_dtype(args),
                      "ffn_server_num_ubatches": FFN_UBATCHES, **ENGINE_ARGS},
         "plain": {"engine": plain["engine"], "batches": plain_by_b},
-        "afd": configs, "transfer_floor": floor,
+        "afd": configs, "overlap_bound": bound, "transfer_floor": floor,
     }
+
+
+def overlap_bound(configs: dict, plain_by_b: dict) -> dict:
+    """The ideal-overlap bound per B: AFD can do no better than its slower side
+    fully busy, max(attention, FFN) per step, with each side's single-thread
+    work as the same run measured it unsplit (m = 1: attention inside and
+    outside the link window, the FFN's compute). Nothing of the link or of
+    micro-batch splitting counts against the bound."""
+    base = configs.get("afd_m1")
+    if base is None:
+        return {}
+    bound = {}
+    for b, s in base["batches"].items():
+        sp = s["split_ms"]
+        attention = sp["attention_compute"] + sp["attention_outside_link"]
+        step = max(attention, sp["ffn_compute"])
+        tokens_per_s = int(b) / step * 1e3
+        bound[b] = {"attention_ms": attention, "ffn_ms": sp["ffn_compute"], "step_ms": step,
+                    "tokens_per_s": tokens_per_s,
+                    "ratio_vs_plain": tokens_per_s / plain_by_b[b]["tokens_per_s"]}
+    return bound
 
 
 def core_text() -> str:
@@ -356,12 +393,21 @@ def print_tables(res: dict) -> None:
           f"N={s['max_tokens_N']}, {s['repeats']} repeats, {res['machine']['cpu_model']}")
     print(f"cores: {res['cores']['text']}")
     print("decode throughput ratio AFD / plain (plain in tokens/s):\n")
-    print(f"{'B':>4} {'plain tok/s':>12} {'plain TPOT':>11}"
-          + "".join(f" {f'AFD m={m}':>9}" for m in ms))
+    bound = res.get("overlap_bound", {})
+    print(f"{'B':>4} {'plain tok/s':>12} {'plain TPOT':>11} {'bound':>7}"
+          + "".join(f" {f'AFD m={m}':>9} {'of bound':>8}" for m in ms))
     for b, p in res["plain"]["batches"].items():
-        cells = "".join(f" {res['afd'][f'afd_m{m}']['batches'][b]['ratio_vs_plain']:>8.2f}x"
-                        for m in ms)
-        print(f"{b:>4} {p['tokens_per_s']:>12.1f} {p['tpot_ms']:>9.1f}ms{cells}")
+        cells = ""
+        for m in ms:
+            r = res["afd"][f"afd_m{m}"]["batches"][b]
+            fraction = r.get("fraction_of_bound")
+            cells += f" {r['ratio_vs_plain']:>8.2f}x" + (
+                f" {fraction:>7.0%}" if fraction is not None else f" {'-':>8}")
+        limit = f"{bound[b]['ratio_vs_plain']:>6.2f}x" if b in bound else f"{'-':>7}"
+        print(f"{b:>4} {p['tokens_per_s']:>12.1f} {p['tpot_ms']:>9.1f}ms {limit}{cells}")
+    print("(bound: the ideal-overlap bound, max(attention, FFN) per step from the m = 1 run's "
+          "single-thread\ntimes, as a ratio to plain; of bound: AFD's throughput as a fraction "
+          "of it)")
     if any(int(b) < m for b in res["plain"]["batches"] for m in ms):
         print("(a step of B tokens has min(m, B) micro-batches: where B < m, m is that number)")
     print_split(res)
@@ -379,12 +425,17 @@ def print_split(res: dict) -> None:
           "attention work outside it,\nblocked = attention waiting on the link, ffn-idle = "
           "FFN waiting for hidden states, floor = echo\nround trips, overhead = step - attn "
           "- attn-out - ffn - floor; negative: overlap):\n")
-    print(f"{'m':>2} {'B':>4}" + "".join(f" {label:>9}" for _, label in SPLIT_COLUMNS))
+    print(f"{'m':>2} {'B':>4}" + "".join(f" {label:>9}" for _, label in SPLIT_COLUMNS)
+          + f" {'link/layer':>10}")
     for cfg in res["afd"].values():
         for b, r in cfg["batches"].items():
             sp = r["split_ms"]
             print(f"{cfg['num_ubatches']:>2} {b:>4}"
-                  + "".join(f" {sp[key]:>9.2f}" for key, _ in SPLIT_COLUMNS))
+                  + "".join(f" {sp[key]:>9.2f}" for key, _ in SPLIT_COLUMNS)
+                  + f" {sp['link_us_per_layer']:>8.0f}us")
+    print("\n(link/layer: the attention side's wait on the link beyond the FFN's compute, per "
+          "layer: (blocked - ffn) / layers;\nwith m > 1 the FFN computes while attention does, "
+          "so it is a lower bound there)")
 
 
 # ===================================================================== plot
@@ -593,9 +644,7 @@ def floor_for_m(m: int, args: argparse.Namespace, hidden: int, num_layers: int) 
     from vllm.afd.transport.connectors.base import create_connector
 
     dtype, port = getattr(torch, args.dtype), free_port()
-    conns = {role: create_connector(AFDConfig(role=role, connector=args.connector, port=port,
-                                              num_ubatches=m, timeout_s=60,
-                                              transfer_dtype=transfer_dtype(args)),
+    conns = {role: create_connector(AFDConfig(role=role, **link_config(args, port, m)),
                                     hidden_size=hidden, dtype=dtype,
                                     max_tokens=max(args.batch_sizes))
              for role in ("ffn", "attention")}

@@ -9,6 +9,7 @@ the checks or raises ProtocolError, nothing else."""
 import logging
 import random
 import socket
+import struct
 import time
 
 import msgspec
@@ -17,7 +18,7 @@ import torch
 from test_connectors import (HIDDEN, MAX_TOKENS, Background, dial, free_port, make,
                              raw_frame, read_message, serve_one_layer)
 
-from vllm.afd.transport import wire
+from vllm.afd.transport import doorbell, wire
 from vllm.afd.transport.connectors import AFDConnectionError, ProtocolError
 from vllm.afd.transport.connectors import tcp
 from vllm.afd.transport.connectors.tcp import MAGIC, MAX_HEADER_BYTES, PREFIX
@@ -410,16 +411,51 @@ def test_mutated_handshakes_into_a_listening_ffn(kind, monkeypatch):
         ffn.close()
 
 
+def header_mutations(message: wire.Message, rng: random.Random, count: int) -> list[bytes]:
+    """mutations() for the shm ring, whose messages are bare headers."""
+    encoded = wire.encode(message)
+    return [_mutate_field(encoded, rng) if i % 2 else _mutate(encoded, rng)
+            for i in range(count)]
+
+
+class RawRing:
+    """A raw peer's end of one direction's shm message ring (doorbell.py): it
+    writes whatever bytes it is given as the next message and rings."""
+
+    def __init__(self, segment: torch.Tensor, sock: socket.socket) -> None:
+        self.ring = doorbell.Ring(segment[:doorbell.RING_BYTES])
+        self.sock, self.seq = sock, 0
+
+    def send(self, header: bytes, length: int | None = None) -> None:
+        offset = self.ring.entry(self.seq)
+        struct.pack_into("<I", self.ring.view, offset, len(header) if length is None else length)
+        self.ring.view[offset + 4:offset + 4 + len(header)] = header
+        self.seq += 1
+        doorbell._library().afd_doorbell_ring(self.ring.head, self.ring.sleeping, self.seq,
+                                              self.sock.fileno())
+
+
 def _connected_ffn(kind: str, port: int):
-    """An FFN connector with a raw peer that did the handshake: (ffn, sock)."""
+    """An FFN connector with a raw peer that did the handshake: (ffn, sock,
+    send), send(bytes) putting bytes where the FFN reads its next message (the
+    socket; for shm the attention->FFN ring of the segments it announced)."""
+    from vllm.afd.transport.connectors.shm import ShmHandshake, ShmSegment
+
     ffn = make(kind, "ffn", port, timeout_s=FUZZ_TIMEOUT_S * 4)
     waiter = Background(ffn.connect)
     sock = dial_kind(kind, port)
     sock.sendall(raw_frame(make(kind, "attention", port)._hello()))
-    assert read_message(sock).accepted
+    ack = read_message(sock)
+    assert ack.accepted
     sock.sendall(raw_frame(wire.HelloConfirm(accepted=True)))
     waiter.join_result()
-    return ffn, sock
+    if kind != "shm":
+        return ffn, sock, sock.sendall
+    shared = msgspec.msgpack.decode(ack.transport, type=ShmHandshake)
+    to_ffn = ShmSegment(shared.segments[0], doorbell.RING_BYTES, create=False)
+    raw = RawRing(to_ffn.tensor, sock)
+    raw.segment = to_ffn  # kept mapped while the test writes
+    return ffn, sock, raw.send
 
 
 @pytest.mark.parametrize("kind", ["tcp", "shm"])
@@ -430,21 +466,24 @@ def test_mutated_frames_into_a_connected_ffn(kind):
     within the bound, never anything else; a mutation that still passes every
     check yields a tensor of the expected shape."""
     rng = random.Random(17 if kind == "tcp" else 23)
-    payload = bytes(NBYTES) if kind == "tcp" else b""
     frame = LayerFrame(step_id=1, layer_id=0, ubatch_id=0, dtype="float32",
                        shape=[TOKENS, HIDDEN], nbytes=NBYTES)
-    cases = ([("layer", d) for d in mutations(frame, rng, 30, payload)]
-             + [("step", d) for d in mutations(StepHeader(step_id=1, num_tokens=[TOKENS]),
-                                               rng, 14)])
+    first_step = StepHeader(step_id=1, num_tokens=[TOKENS])
+    if kind == "shm":  # messages are bare headers in the ring, payloads in their slots
+        cases = ([("layer", d) for d in header_mutations(frame, rng, 30)]
+                 + [("step", d) for d in header_mutations(first_step, rng, 14)])
+    else:
+        cases = ([("layer", d) for d in mutations(frame, rng, 30, bytes(NBYTES))]
+                 + [("step", d) for d in mutations(first_step, rng, 14)])
     outcomes: dict[str, int] = {}
     for what, data in cases:
         port = free_port()
-        ffn, sock = _connected_ffn(kind, port)
+        ffn, sock, send = _connected_ffn(kind, port)
         try:
             if what == "layer":
-                sock.sendall(step(step_id=1))
+                send(step(step_id=1) if kind == "tcp" else wire.encode(first_step))
                 assert ffn.recv_step(0).num_tokens == [TOKENS]
-            sock.sendall(data)  # the socket stays open
+            send(data)  # the peer stays connected
             t0 = time.monotonic()
             try:
                 if what == "layer":
@@ -462,8 +501,24 @@ def test_mutated_frames_into_a_connected_ffn(kind):
         finally:
             sock.close()
             ffn.close()
-    # Both the checks and the stall timeout were exercised.
-    assert outcomes.get("refused", 0) >= 10 and outcomes.get("timeout", 0) >= 3, outcomes
+    # Both the checks and (tcp: a frame cut short) the stall timeout were
+    # exercised; a ring message is whole or absent, so shm cannot stall.
+    assert outcomes.get("refused", 0) >= 10, outcomes
+    assert outcomes.get("timeout", 0) >= (3 if kind == "tcp" else 0), outcomes
+
+
+def test_a_ring_entry_longer_than_its_slot_is_refused():
+    """shm: the length word of a ring entry comes from the peer; one past the
+    entry is a ProtocolError, not a read beyond it."""
+    ffn, sock, send = _connected_ffn("shm", free_port())
+    try:
+        send.__self__.send(b"x", length=doorbell.ENTRY_BYTES)
+        with pytest.raises(ProtocolError, match=r"shm ring entry from .*: length 20480, "
+                           r"at most 20476"):
+            ffn.recv_step(0)
+    finally:
+        sock.close()
+        ffn.close()
 
 
 @pytest.mark.parametrize("kind", ["tcp", "shm"])
@@ -489,7 +544,8 @@ def test_mutated_replies_into_a_connected_attention_side(kind):
                     ack = wire.HelloAck(accepted=True, rank=0, group=[0], transport=(
                         msgspec.msgpack.encode(ShmHandshake(
                             segments=[f"vllm-afd-{port}-0-a2f-0000", f"vllm-afd-{port}-0-f2a-0000"],
-                            slot_bytes=attn.max_bytes))))
+                            slot_bytes=attn.max_bytes, ring_entries=doorbell.RING_ENTRIES,
+                            ring_entry_bytes=doorbell.ENTRY_BYTES))))
                 replies = mutations(ack, rng, 1)
             connecting = Background(attn.connect)
             sock, _ = fake._listener.accept()
@@ -516,7 +572,8 @@ def test_mutated_replies_into_a_connected_attention_side(kind):
                         ack = wire.HelloAck(accepted=True, rank=0, group=[0], transport=(
                             msgspec.msgpack.encode(ShmHandshake(
                                 segments=[data[1].name, data[0].name],
-                                slot_bytes=fake.slot_bytes))))
+                                slot_bytes=fake.slot_bytes, ring_entries=doorbell.RING_ENTRIES,
+                                ring_entry_bytes=doorbell.ENTRY_BYTES))))
                     else:
                         ack = wire.HelloAck(accepted=True, rank=0, group=[0])
                     sock.sendall(raw_frame(ack))
@@ -524,10 +581,13 @@ def test_mutated_replies_into_a_connected_attention_side(kind):
                     connecting.join_result()
                     attn.send_step(StepHeader(step_id=1, num_tokens=[TOKENS]))
                     attn.send_hidden(0, 0, torch.ones(TOKENS, HIDDEN))
-                    payload = bytes(NBYTES) if kind == "tcp" else b""
                     output = LayerFrame(step_id=1, layer_id=0, ubatch_id=0, dtype="float32",
                                         shape=[TOKENS, HIDDEN], nbytes=NBYTES)
-                    sock.sendall(mutations(output, rng, 1, payload)[0])
+                    if kind == "shm":  # into the FFN->attention ring the fake made
+                        RawRing(fake._segments[0][0].tensor, sock).send(
+                            header_mutations(output, rng, 1)[0])
+                    else:
+                        sock.sendall(mutations(output, rng, 1, bytes(NBYTES))[0])
                     t0 = time.monotonic()
                     try:
                         attn.recv_output(0, 0, out=torch.empty(TOKENS, HIDDEN))

@@ -24,7 +24,7 @@ from test_connectors import (FAKE_NCCL, HIDDEN, MAX_TOKENS, Background, dial, fr
                              raw_frame, read_message, serve_one_layer)
 from transformers import AutoConfig
 
-from vllm.afd.transport import auth, wire
+from vllm.afd.transport import auth, doorbell, wire
 from vllm.afd.model import fingerprint
 from vllm.afd.config import AFDConfig
 from vllm.afd.transport.connectors import (AFDConnectionError, ProtocolError, create_connector)
@@ -517,6 +517,9 @@ def test_load_secret(tmp_path, monkeypatch):
                            msgspec.structs.replace(hello, max_tokens=1))}) == 6
 
 
+RING = dict(ring_entries=doorbell.RING_ENTRIES, ring_entry_bytes=doorbell.ENTRY_BYTES)
+
+
 def test_ack_contents_from_the_ffn_are_checked():
     """What an accepted HelloAck makes the attention side do next is bounded:
     the group names existing FFN ranks, shm names are this connection's."""
@@ -530,7 +533,7 @@ def test_ack_contents_from_the_ffn_are_checked():
                   ["vllm-afd-7700-0-a2f-../../x", "vllm-afd-7700-0-f2a-1a2b"],
                   ["vllm-afd-7700-0-f2a-1a2b", "vllm-afd-7700-0-a2f-1a2b"],
                   ["vllm-afd-7700-1-a2f-1a2b", "vllm-afd-7700-1-f2a-1a2b"]):
-        data = msgspec.msgpack.encode(ShmHandshake(segments=names, slot_bytes=slot))
+        data = msgspec.msgpack.encode(ShmHandshake(segments=names, slot_bytes=slot, **RING))
         with pytest.raises(ProtocolError, match=r"HelloAck.transport \(shm\) segments: "
                            "expected names vllm-afd-7700-0-"):
             shm._on_ack(data)
@@ -538,4 +541,11 @@ def test_ack_contents_from_the_ffn_are_checked():
         shm._on_ack(b"\xc1 not msgpack")
     with pytest.raises(ProtocolError, match=r"slot_bytes: expected"):
         shm._on_ack(msgspec.msgpack.encode(ShmHandshake(
-            segments=["vllm-afd-7700-0-a2f-1a2b", "vllm-afd-7700-0-f2a-1a2b"], slot_bytes=8)))
+            segments=["vllm-afd-7700-0-a2f-1a2b", "vllm-afd-7700-0-f2a-1a2b"], slot_bytes=8,
+            **RING)))
+    # Both ends must lay out the message ring alike (doorbell.py).
+    with pytest.raises(ProtocolError, match=r"message ring: expected 16 entries of 20480 "
+                       r"bytes, received 4 of 20480"):
+        shm._on_ack(msgspec.msgpack.encode(ShmHandshake(
+            segments=["vllm-afd-7700-0-a2f-1a2b", "vllm-afd-7700-0-f2a-1a2b"], slot_bytes=slot,
+            **dict(RING, ring_entries=4))))

@@ -16,22 +16,31 @@ import torch
 from vllm.afd.transport.wire import ROUTING_ALIGN, PayloadLayout
 
 _loaded = False
+_library_path: str | None = None
 _composite_library = None  # keeps the PrivateUse1 registrations alive
 
 
 def load(path: str | None = None) -> None:
     """Register torch.ops.afd.*: from the wheel's vllm/afd/_C, or from a
     library built elsewhere (path)."""
-    global _loaded
+    global _loaded, _library_path
     if _loaded:
         return
     if path is not None:
         torch.ops.load_library(path)
+        _library_path = path
     else:
-        importlib.import_module("vllm.afd._C")
+        _library_path = importlib.import_module("vllm.afd._C").__file__
     _register_fakes()
     _register_composites()
     _loaded = True
+
+
+def library_path() -> str:
+    """The file of the loaded op library (its plain C entry points, such as
+    the shm doorbell, are called through ctypes)."""
+    load()
+    return _library_path
 
 
 def _register_composites() -> None:

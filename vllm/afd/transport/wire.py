@@ -51,7 +51,9 @@ logger = logging.getLogger(__name__)
 #    Hello.transfer_to_attention, Hello.scale_group; LayerFrame.encoding and
 #    LayerFrame.scale_group; fp8 payloads laid out by PayloadLayout.
 # 6: StepHeader.from_layer (a step resumed mid-way on a standby FFN server).
-PROTOCOL_VERSION = 6
+# 7: shm messages travel in a shared-memory ring with a doorbell (doorbell.py),
+#    ShmHandshake.ring_entries and ring_entry_bytes.
+PROTOCOL_VERSION = 7
 MAX_TRANSPORT_BYTES = 16 * 1024  # a connector's handshake data
 
 MAX_UBATCHES = 4  # AFDConfig.num_ubatches is 1..4

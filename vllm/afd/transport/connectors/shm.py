@@ -2,19 +2,22 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """Shared-memory connector: same-host attention and FFN servers (CPU default).
 
-Tensors travel through POSIX shared memory; only headers go through the tcp
-connector's framed socket link (rendezvous, handshake, LayerFrames announcing
-no payload, and peer-death detection by EOF all come from there).
+Tensors and message headers travel through POSIX shared memory; a socket (the
+tcp connector's framed link) carries the rendezvous and the handshake, then
+only wakes a receiver that went to sleep and reports a peer's death (EOF).
 
 Layout, per attention peer: two segments created by the FFN during the
 handshake, one per direction (attention->FFN hidden states, FFN->attention
-outputs), each with one slot per micro-batch of shm_slot_bytes (>= max_tokens
-* hidden_size * itemsize, rounded to 64 bytes). The sender copies the tensor
-into the slot of its micro-batch and then sends the LayerFrame; the socket
-syscalls order the copy before the receiver's read. A CPU receiver reads the
-slot itself (a zero-copy view, or one copy into the caller's `out`); the
-protocol's one-in-flight-per-micro-batch rule is what keeps it valid (see
-base.py for the exact lifetimes).
+outputs), each holding the direction's message ring (../doorbell.py) and then
+one slot per micro-batch of slot_bytes (>= max_tokens * hidden_size *
+itemsize, rounded to 64 bytes). The sender copies the tensor into the slot of
+its micro-batch, writes the LayerFrame into the ring and publishes it with a
+release store that the receiver's acquire load pairs with, so the payload is
+visible before the header. The receiver spins on the ring for a while, then
+sleeps on the socket (the sender writes a wake byte only when it sleeps). A
+CPU receiver reads the slot itself (a zero-copy view, or one copy into the
+caller's `out`); the protocol's one-in-flight-per-micro-batch rule is what
+keeps it valid (see base.py for the exact lifetimes).
 
 Devices (../buffers.py): for a CUDA process the segments are page-locked
 (cudaHostRegister), a device payload is copied into its slot and the header
@@ -32,25 +35,20 @@ left in /dev/shm even if either process is then SIGKILLed. The FFN (creator)
 unlinks on close and at interpreter exit too, for a peer that never attached.
 The FFN commits the memory when it creates a segment (posix_fallocate), so a
 too-small /dev/shm is a clear error at connect time, not a SIGBUS mid-step.
-Memory: 2 x num_ubatches x max_tokens x hidden_size x itemsize per peer.
+A mapping is never unmapped under a thread still waiting on its ring or
+holding a received view: it goes with the last tensor made from it.
+Memory: 2 x (doorbell.RING_BYTES + num_ubatches x max_tokens x hidden_size x
+itemsize) per peer.
 
-Headers go over a Linux abstract unix socket named after the port (nothing
-to clean up, no TCP stack: ~10 us less per round trip than TCP loopback);
-connector_extra_config {"notify": "tcp"} uses host:port over TCP instead, for
-containers that share /dev/shm but not a network namespace.
+The socket is a Linux abstract unix socket named after the port (nothing to
+clean up); connector_extra_config {"notify": "tcp"} uses host:port over TCP
+instead, for containers that share /dev/shm but not a network namespace.
+connector_extra_config {"spin_us": N} sets how long a waiting side spins
+before it sleeps (../doorbell.py: CPU use, and 0 to never spin).
 
-Measured round trip of one layer/micro-batch (send_hidden, FFN echo,
-recv_output; attention and FFN in two processes, 2-core dev box shared with
-other work, best median of 3-4 runs x 1000 round trips):
-
-    payload                          shm        tcp
-    2 x 128 fp32 (1 KiB)            47 us      64 us
-    8 x 128 fp32 (4 KiB)            47 us      65 us
-    64 x 2048 bf16 (256 KiB)        67 us     148 us   (shm 7.8 GB/s both ways)
-    512 x 4096 bf16 (4 MiB)        0.4 ms     3.6 ms   (shm ~20 GB/s both ways)
-
-The floor is the notification itself (a bare unix-socket ping-pong is ~20 us
-here); the rest is Python on both sides (~12 us each per message).
+Round trips (send_hidden, FFN echo, recv_output; two processes on two cores)
+by payload, with and without spinning: `make bench-link`, recorded in
+benchmarks/results/link_latency.json and benchmarks/README.md.
 """
 
 import logging
@@ -64,6 +62,7 @@ import weakref
 import msgspec
 import torch
 
+from vllm.afd.transport import doorbell
 from vllm.afd.transport.buffers import HostSlots
 from vllm.afd.transport.connectors.base import AFDConnectionError, LinkClosed
 from vllm.afd.transport.connectors.tcp import TcpConnector
@@ -81,11 +80,14 @@ SLOT_ALIGN = 64  # cache line; also keeps every slot aligned for any dtype view
 
 class ShmHandshake(msgspec.Struct):
     """What the FFN's HelloAck carries for shm (HelloAck.transport): the names of
-    the segments made for this peer (attention->FFN, FFN->attention) and the
-    bytes of one micro-batch slot in each."""
+    the segments made for this peer (attention->FFN, FFN->attention), the
+    bytes of one micro-batch slot in each, and the layout of the message ring
+    after the slots (../doorbell.py), which both sides must share."""
 
     segments: list[str]
     slot_bytes: int
+    ring_entries: int
+    ring_entry_bytes: int
 
 
 def _unlink(name: str) -> None:
@@ -151,19 +153,18 @@ class ShmSegment:
     def close(self) -> None:
         if self._unlinker is not None:
             self._unlinker()
+        # Dropped, not mmap.close()d: tensors made from it (received views, the
+        # message rings a thread may be waiting on) hold the mmap object, not a
+        # buffer export, so an explicit close would unmap memory under them.
+        # The mapping goes when the last of them does.
         self.tensor = None
-        try:
-            self._mmap.close()
-        except BufferError:
-            # Received views are still alive somewhere; the mapping goes away
-            # with the last of them.
-            logger.debug("shared memory %s still referenced; unmapped on release", self.name)
+        self._mmap = None
 
 
 class ShmConnector(TcpConnector):
     name = "shm"
     stages_through_host = True
-    extra_config_keys = frozenset({"notify"})
+    extra_config_keys = frozenset({"notify", "spin_us"})
 
     def __init__(self, afd_config, **kwargs) -> None:
         super().__init__(afd_config, **kwargs)
@@ -178,6 +179,23 @@ class ShmConnector(TcpConnector):
             raise ValueError(f"AFDConfig.connector_extra_config['notify']: invalid value "
                              f"{notify!r}; valid choices: 'unix', 'tcp'")
         self._unix_notify = notify == "unix" and sys.platform.startswith("linux")
+        spin_us = self.afd_config.connector_extra_config.get("spin_us",
+                                                             doorbell.DEFAULT_SPIN_US)
+        if (isinstance(spin_us, bool) or not isinstance(spin_us, (int, float))
+                or not 0 <= spin_us <= 1_000_000):
+            raise ValueError(f"AFDConfig.connector_extra_config['spin_us']: invalid value "
+                             f"{spin_us!r}; expected microseconds in 0-1000000 (0: never "
+                             f"spin, sleep until woken)")
+        self.spin_us = spin_us
+        # peer -> the message rings (send, receive) after the slots
+        self._rings: dict[int, tuple[doorbell.Ring, doorbell.Ring]] = {}
+
+    @property
+    def _segment_bytes(self) -> int:
+        """The message ring first (the same offset on both sides), then this
+        side's payload slots: an FFN sized for more micro-batches than the
+        attention peer uses makes more slots, which the peer never maps."""
+        return doorbell.RING_BYTES + self.slot_bytes * self.num_ubatches
 
     # ------------------------------------------------------------ rendezvous
     @property
@@ -215,7 +233,7 @@ class ShmConnector(TcpConnector):
 
     # --------------------------------------------------------------- handshake
     def _ack_transport(self, peer: int, hello_transport: bytes) -> bytes:
-        size = self.slot_bytes * self.num_ubatches
+        size = self._segment_bytes
         tag = f"vllm-afd-{self.port}-{peer}"
         suffix = secrets.token_hex(4)
         to_ffn = ShmSegment(f"{tag}-a2f-{suffix}", size, create=True)
@@ -226,7 +244,8 @@ class ShmConnector(TcpConnector):
             raise
         self._segments[peer] = (to_attention, to_ffn)
         return msgspec.msgpack.encode(ShmHandshake(
-            segments=[to_ffn.name, to_attention.name], slot_bytes=self.slot_bytes))
+            segments=[to_ffn.name, to_attention.name], slot_bytes=self.slot_bytes,
+            ring_entries=doorbell.RING_ENTRIES, ring_entry_bytes=doorbell.ENTRY_BYTES))
 
     def _on_refused(self, peer: int) -> None:
         for segment in self._segments.pop(peer, ()):
@@ -234,8 +253,16 @@ class ShmConnector(TcpConnector):
 
     def _on_confirmed(self, peer: int) -> None:
         writes, reads = self._segments[peer]
-        self._tx[peer] = HostSlots(writes.tensor, self.slot_bytes, self.num_ubatches, self.ops)
-        self._rx[peer] = HostSlots(reads.tensor, self.slot_bytes, self.num_ubatches, self.ops)
+        ring = doorbell.RING_BYTES
+        self._tx[peer] = HostSlots(writes.tensor[ring:], self.slot_bytes, self.num_ubatches,
+                                   self.ops)
+        self._rx[peer] = HostSlots(reads.tensor[ring:], self.slot_bytes, self.num_ubatches,
+                                   self.ops)
+        # From here on messages travel through the rings; the socket only
+        # wakes a sleeping receiver and reports a peer's death.
+        rings = (doorbell.Ring(writes.tensor[:ring]), doorbell.Ring(reads.tensor[:ring]))
+        self._rings[peer] = rings
+        self._links[peer] = doorbell.RingLink(self._links[peer], *rings, spin_us=self.spin_us)
 
     def _on_ack(self, ack_transport: bytes) -> None:
         try:
@@ -245,6 +272,12 @@ class ShmConnector(TcpConnector):
         if len(ack.segments) != 2:
             raise ProtocolError(f"HelloAck.transport (shm) segments: expected 2 names, "
                                 f"received {ack.segments}")
+        if (ack.ring_entries, ack.ring_entry_bytes) != (doorbell.RING_ENTRIES,
+                                                        doorbell.ENTRY_BYTES):
+            raise ProtocolError(f"HelloAck.transport (shm) message ring: expected "
+                                f"{doorbell.RING_ENTRIES} entries of {doorbell.ENTRY_BYTES} "
+                                f"bytes, received {ack.ring_entries} of "
+                                f"{ack.ring_entry_bytes}")
         if not self.max_bytes <= ack.slot_bytes <= 2 * self.slot_bytes:
             raise ProtocolError(f"HelloAck.transport (shm) slot_bytes: expected "
                                 f"{self.max_bytes} to {2 * self.slot_bytes}, received "
@@ -259,7 +292,7 @@ class ShmConnector(TcpConnector):
                 raise ProtocolError(f"HelloAck.transport (shm) segments: expected names "
                                     f"{prefix}{direction}-<hex>, received {name!r}")
         self.slot_bytes = ack.slot_bytes
-        size = self.slot_bytes * self.num_ubatches
+        size = self._segment_bytes
         segments = []
         try:
             for name in ack.segments:
@@ -329,6 +362,7 @@ class ShmConnector(TcpConnector):
             for slots in table.values():
                 slots.close()
             table.clear()
+        self._rings.clear()  # unmapped once no waiting thread holds them
         for segments in list(self._segments.values()):
             for segment in segments:
                 segment.close()

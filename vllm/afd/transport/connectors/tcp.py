@@ -93,6 +93,8 @@ class SocketLink:
     """A framed message stream over one connected stream socket. Raises
     LinkClosed / LinkTimeout / ProtocolError; knows nothing about steps."""
 
+    frame_overhead = PREFIX.size  # bytes per message besides its header
+
     def __init__(self, sock: socket.socket, name: str, stall_timeout_s: float) -> None:
         self.sock = sock
         self.name = name  # who is on the other end, for messages
@@ -385,8 +387,9 @@ class TcpConnector(AFDConnector):
 
     def _receive(self, peer: int, deadline: float | None,
                  on_wait: WaitCallback) -> tuple[memoryview, int]:
-        header, announced = self._links[peer].recv_message(deadline, on_wait)
-        self.bytes_received += PREFIX.size
+        link = self._links[peer]
+        header, announced = link.recv_message(deadline, on_wait)
+        self.bytes_received += link.frame_overhead
         return header, announced
 
     def _receive_payload(self, peer: int, frame: LayerFrame, dtype: torch.dtype,

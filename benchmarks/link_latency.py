@@ -1,0 +1,174 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""Round trip of one layer call through a real connector, by payload size.
+
+The attention side (this process, core 0) sends one micro-batch's hidden
+states and waits for the answer; an echo FFN (another process, core 1) sends
+every hidden state straight back: the link's own cost, no compute. Each size
+runs `--iters` round trips after a warm-up; median, p10 and p99 are reported.
+Then the idle cost: the echo FFN waits for a step that does not come for
+`--idle-s` seconds, and the CPU time it burns meanwhile is measured (a link
+that spins while waiting must stop spinning when the peer goes quiet).
+
+    make bench-link                          # shm and tcp, 1 KiB to 1 MiB
+    python benchmarks/link_latency.py --connectors shm --iters 500
+
+Results: benchmarks/results/link_latency.json (and a table on stdout).
+"""
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HIDDEN = 512  # bf16: 1 KiB per token
+TOKENS = (1, 4, 16, 64, 256, 1024)  # 1 KiB ... 1 MiB per direction
+ATTENTION_CORE, FFN_CORE = 0, 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pin(core: int) -> None:
+    if hasattr(os, "sched_setaffinity") and core in os.sched_getaffinity(0):
+        os.sched_setaffinity(0, {core})
+
+
+def config(role: str, connector: str, port: int, extra: dict):
+    from vllm.afd.config import AFDConfig
+
+    return AFDConfig(role=role, connector=connector, port=port, timeout_s=60,
+                     connector_extra_config=extra)
+
+
+def echo_ffn(connector: str, port: int, extra: dict, idle_s: float, report) -> None:
+    """The FFN end: echo every layer call; after the attention side says it
+    is done (a step of zero layers), time the idle wait for the next step."""
+    import torch
+
+    from vllm.afd.transport.connectors.base import create_connector
+
+    pin(FFN_CORE)
+    torch.set_num_threads(1)
+    ffn = create_connector(config("ffn", connector, port, extra), hidden_size=HIDDEN,
+                           dtype=torch.bfloat16, max_tokens=max(TOKENS))
+    ffn.accept()
+    while True:
+        step = ffn.recv_step(0)
+        if step.is_goodbye or step.is_shutdown:
+            break
+        if step.num_tokens == [0]:  # the idle probe: measure the wait for the next step
+            cpu0, t0 = time.process_time(), time.monotonic()
+            report.send("idle")
+            step = ffn.recv_step(0)
+            report.send({"idle_wall_s": time.monotonic() - t0,
+                         "idle_cpu_s": time.process_time() - cpu0})
+            if step.is_goodbye or step.is_shutdown:
+                break
+            continue
+        ffn.send_output(0, 0, 0, ffn.recv_hidden(0, 0, 0))
+    ffn.close()
+
+
+def measure(connector: str, extra: dict, iters: int, idle_s: float) -> dict:
+    import torch
+
+    from vllm.afd.transport.connectors.base import create_connector
+    from vllm.afd.transport.wire import StepHeader
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=echo_ffn, args=(connector, port, extra, idle_s, child),
+                       daemon=True)
+    proc.start()
+    attn = create_connector(config("attention", connector, port, extra), hidden_size=HIDDEN,
+                            dtype=torch.bfloat16, max_tokens=max(TOKENS))
+    attn.connect()
+    sizes, step = {}, 1
+    try:
+        for tokens in TOKENS:
+            h = torch.randn(tokens, HIDDEN).to(torch.bfloat16)
+            out = torch.empty_like(h)
+            times = []
+            for i in range(iters + iters // 10):
+                attn.send_step(StepHeader(step_id=step, num_tokens=[tokens]))
+                t0 = time.perf_counter()
+                attn.send_hidden(0, 0, h)
+                attn.recv_output(0, 0, out=out)
+                dt = time.perf_counter() - t0
+                step += 1
+                if i >= iters // 10:
+                    times.append(dt)
+            times.sort()
+            sizes[str(tokens * HIDDEN * 2)] = {
+                "tokens": tokens, "median_us": statistics.median(times) * 1e6,
+                "p10_us": times[len(times) // 10] * 1e6,
+                "p99_us": times[min(len(times) - 1, int(len(times) * 0.99))] * 1e6}
+        attn.send_step(StepHeader(step_id=step, num_tokens=[0]))
+        assert parent.recv() == "idle"
+        time.sleep(idle_s)
+        attn.send_step(StepHeader(step_id=step + 1, num_tokens=[0]))
+        idle = parent.recv()
+    finally:
+        attn.close()
+        proc.join(30)
+    idle["idle_cpu_percent"] = 100 * idle["idle_cpu_s"] / max(idle["idle_wall_s"], 1e-9)
+    return {"round_trip": sizes, "idle": idle}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--connectors", default="shm,tcp")
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--idle-s", type=float, default=2.0)
+    ap.add_argument("--extra", default="{}", help="connector_extra_config (JSON) for shm")
+    ap.add_argument("--out", type=Path,
+                    default=Path(__file__).parent / "results" / "link_latency.json")
+    args = ap.parse_args(argv)
+    pin(ATTENTION_CORE)
+    import torch
+
+    torch.set_num_threads(1)
+    results = {"benchmark": "link_latency", "machine": {
+        "cpu_model": platform.processor() or _cpu_model(), "cpu_count": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0]},
+        "settings": {"hidden": HIDDEN, "dtype": "bfloat16", "iters": args.iters,
+                     "cores": {"attention": ATTENTION_CORE, "ffn": FFN_CORE}},
+        "connectors": {}}
+    for name in args.connectors.split(","):
+        extra = json.loads(args.extra) if name == "shm" else {}
+        res = results["connectors"][name] = measure(name, extra, args.iters, args.idle_s)
+        print(f"{name}: round trip (us) by payload each way; idle CPU "
+              f"{res['idle']['idle_cpu_percent']:.1f} % of a core over "
+              f"{res['idle']['idle_wall_s']:.1f} s")
+        for nbytes, r in res["round_trip"].items():
+            print(f"  {int(nbytes) >> 10:6d} KiB  median {r['median_us']:8.1f}  "
+                  f"p10 {r['p10_us']:8.1f}  p99 {r['p99_us']:8.1f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    print(f"[bench-link] wrote {args.out}")
+    return 0
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

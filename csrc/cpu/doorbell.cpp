@@ -1,0 +1,157 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+//
+// The shm connector's doorbell: how one process tells another, on the same
+// host, that a message is in shared memory (vllm/afd/transport/doorbell.py).
+//
+// A sender publishes a 32-bit sequence word with a release store; a receiver
+// spins on it (acquire loads) for a bounded time, then sleeps in poll() on
+// the connection's socket after raising its `sleeping` flag. The sender
+// writes one wake byte on the socket only when that flag is up, so a busy
+// link costs no system call at all, and an idle one costs no CPU.
+//
+// Lost wake-ups are impossible: the receiver stores `sleeping` and then loads
+// the word, the sender stores the word and then loads `sleeping`, all
+// sequentially consistent (Dekker): at least one of them sees the other's
+// store. Sleeping on the socket, not a futex, keeps peer death visible: a
+// dead or closed peer is EOF/hang-up on the very descriptor we sleep on.
+//
+// Plain C entry points (ctypes, which releases the GIL around the call), not
+// torch ops: a dispatcher call costs microseconds, these a few hundred ns.
+#include <errno.h>
+#include <poll.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+static inline void cpu_relax() { _mm_pause(); }
+#elif defined(__aarch64__)
+static inline void cpu_relax() { asm volatile("yield" ::: "memory"); }
+#else
+static inline void cpu_relax() {}
+#endif
+
+#ifndef POLLRDHUP
+#define POLLRDHUP 0
+#endif
+
+namespace {
+
+// 64 spin iterations take well under a microsecond; a gap this long is a
+// preemption.
+constexpr int64_t kPreemptedNs = 50000;
+
+int64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+bool changed(const uint32_t* word, uint32_t seen) {
+  return __atomic_load_n(word, __ATOMIC_SEQ_CST) != seen;
+}
+
+// Read and drop pending wake bytes; false once the peer closed (EOF) or the
+// socket failed.
+bool drain(int fd) {
+  char buf[64];
+  for (;;) {
+    ssize_t n = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (n > 0) continue;
+    if (n == 0) return false;
+    if (errno == EINTR) continue;
+    return errno == EAGAIN || errno == EWOULDBLOCK;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Wait until *word != seen. Spin for up to spin_ns (or until the spinning
+// thread is preempted: the core is wanted elsewhere), then sleep on fd
+// for up to timeout_ms in all. Returns 1 when the word changed, 0 on timeout,
+// -1 when fd reports the peer gone (EOF, hang-up, error) or *abort is set
+// (this side closes the link; it shuts the socket down too, which ends a poll).
+int afd_doorbell_wait(const uint32_t* word, uint32_t* sleeping, uint32_t seen, int fd,
+                      int64_t spin_ns, int timeout_ms, const uint32_t* abort) {
+  if (changed(word, seen)) return 1;
+  const int64_t start = now_ns();
+  if (spin_ns > 0) {
+    int64_t last = start;
+    for (uint32_t i = 1;; ++i) {
+      cpu_relax();
+      if (changed(word, seen)) return 1;
+      if ((i & 63) == 0) {
+        if (__atomic_load_n(abort, __ATOMIC_RELAXED)) return -1;
+        const int64_t t = now_ns();
+        // Spinning pays only on a core of our own. A gap between two checks
+        // means the scheduler gave the core to someone else (more runnable
+        // threads than cores, e.g. the very peer we wait for): sleep instead.
+        if (t - start >= spin_ns || t - last > kPreemptedNs) break;
+        last = t;
+      }
+    }
+  }
+  const int64_t deadline = start + static_cast<int64_t>(timeout_ms) * 1000000;
+  for (;;) {
+    __atomic_store_n(sleeping, 1u, __ATOMIC_SEQ_CST);
+    if (changed(word, seen)) {
+      __atomic_store_n(sleeping, 0u, __ATOMIC_SEQ_CST);
+      return 1;
+    }
+    if (__atomic_load_n(abort, __ATOMIC_SEQ_CST)) {
+      __atomic_store_n(sleeping, 0u, __ATOMIC_SEQ_CST);
+      return -1;
+    }
+    const int64_t left_ns = deadline - now_ns();
+    pollfd p = {fd, static_cast<short>(POLLIN | POLLRDHUP), 0};
+    int r = left_ns > 0 ? poll(&p, 1, static_cast<int>((left_ns + 999999) / 1000000)) : 0;
+    __atomic_store_n(sleeping, 0u, __ATOMIC_SEQ_CST);
+    // A message the peer published before it went away is still delivered.
+    if (changed(word, seen)) return 1;
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return -1;
+    }
+    if (r == 0) return 0;
+    if (p.revents & POLLIN) {
+      if (!drain(fd)) return -1;
+    } else if (p.revents & (POLLHUP | POLLERR | POLLNVAL | POLLRDHUP)) {
+      return -1;
+    }
+  }
+}
+
+// Publish value in *word (release: everything this thread wrote before, the
+// message and its payload, is visible to whoever sees value); wake the peer
+// if it sleeps. Returns 0, or -errno when the wake byte cannot be sent (the
+// peer is gone).
+int afd_doorbell_ring(uint32_t* word, const uint32_t* sleeping, uint32_t value, int fd) {
+  __atomic_store_n(word, value, __ATOMIC_SEQ_CST);
+  if (fd < 0 || __atomic_load_n(sleeping, __ATOMIC_SEQ_CST) == 0) return 0;
+  const char wake = 1;
+  for (;;) {
+    ssize_t n = send(fd, &wake, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n == 1) return 0;
+    if (n < 0 && errno == EINTR) continue;
+    // A full socket buffer already holds wake bytes the peer has yet to read.
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+    return n < 0 ? -errno : -EPIPE;
+  }
+}
+
+// Store value in *word with release ordering, without waking anyone (the
+// receiver's consumed count, read by the sender only when its ring is full).
+void afd_doorbell_store(uint32_t* word, uint32_t value) {
+  __atomic_store_n(word, value, __ATOMIC_RELEASE);
+}
+
+// A relaxed-enough load for the sender's ring-full check.
+uint32_t afd_doorbell_load(const uint32_t* word) {
+  return __atomic_load_n(word, __ATOMIC_ACQUIRE);
+}
+
+}  // extern "C"
