@@ -72,25 +72,33 @@ extern "C" {
 
 // Wait until *word != seen. Spin for up to spin_ns (or until the spinning
 // thread is preempted: the core is wanted elsewhere), then sleep on fd
-// for up to timeout_ms in all. Returns 1 when the word changed, 0 on timeout,
+// for up to timeout_ms in all. Returns 1 when the word changed (2: and the
+// spin was cut short by a preemption), 0 on timeout,
 // -1 when fd reports the peer gone (EOF, hang-up, error) or *abort is set
 // (this side closes the link; it shuts the socket down too, which ends a poll).
 int afd_doorbell_wait(const uint32_t* word, uint32_t* sleeping, uint32_t seen, int fd,
                       int64_t spin_ns, int timeout_ms, const uint32_t* abort) {
   if (changed(word, seen)) return 1;
   const int64_t start = now_ns();
+  bool preempted = false;
   if (spin_ns > 0) {
     int64_t last = start;
     for (uint32_t i = 1;; ++i) {
       cpu_relax();
-      if (changed(word, seen)) return 1;
+      if (changed(word, seen)) return now_ns() - last > kPreemptedNs ? 2 : 1;
       if ((i & 63) == 0) {
         if (__atomic_load_n(abort, __ATOMIC_RELAXED)) return -1;
         const int64_t t = now_ns();
-        // Spinning pays only on a core of our own. A gap between two checks
-        // means the scheduler gave the core to someone else (more runnable
-        // threads than cores, e.g. the very peer we wait for): sleep instead.
-        if (t - start >= spin_ns || t - last > kPreemptedNs) break;
+        if (t - last > kPreemptedNs) {
+          // Spinning pays only on a core of our own. A gap between two checks
+          // means the scheduler gave the core to someone else (more runnable
+          // threads than cores), and a preempted spinner waits a whole time
+          // slice to run again where a sleeper would be woken at once: sleep,
+          // and tell the caller (2), who stops spinning for a while.
+          preempted = true;
+          break;
+        }
+        if (t - start >= spin_ns) break;
         last = t;
       }
     }
@@ -100,7 +108,7 @@ int afd_doorbell_wait(const uint32_t* word, uint32_t* sleeping, uint32_t seen, i
     __atomic_store_n(sleeping, 1u, __ATOMIC_SEQ_CST);
     if (changed(word, seen)) {
       __atomic_store_n(sleeping, 0u, __ATOMIC_SEQ_CST);
-      return 1;
+      return preempted ? 2 : 1;
     }
     if (__atomic_load_n(abort, __ATOMIC_SEQ_CST)) {
       __atomic_store_n(sleeping, 0u, __ATOMIC_SEQ_CST);
@@ -111,7 +119,7 @@ int afd_doorbell_wait(const uint32_t* word, uint32_t* sleeping, uint32_t seen, i
     int r = left_ns > 0 ? poll(&p, 1, static_cast<int>((left_ns + 999999) / 1000000)) : 0;
     __atomic_store_n(sleeping, 0u, __ATOMIC_SEQ_CST);
     // A message the peer published before it went away is still delivered.
-    if (changed(word, seen)) return 1;
+    if (changed(word, seen)) return preempted ? 2 : 1;
     if (r < 0) {
       if (errno == EINTR) continue;
       return -1;

@@ -27,8 +27,10 @@ sleeps. An idle link therefore costs no CPU, and a busy one spends at most
 spin_us per wait of a core that would otherwise sit idle for that wait
 (attention and FFN on cores of their own). A spinning waiter that finds itself
 preempted (a gap of 50 us between its checks: more runnable threads than
-cores, perhaps the very peer it waits for) stops spinning and sleeps, so an
-oversubscribed machine loses little. spin_us 0: never spin (every wait
+cores) stops spinning, sleeps, and does not spin again for SPIN_BACKOFF_S: a
+preempted spinner waits out another thread's time slice (milliseconds) where
+a sleeper is woken at once, so on a shared core sleeping is faster. An
+oversubscribed machine pays one time slice per second and link. spin_us 0: never spin (every wait
 sleeps; the old latency).
 
 Round trips of one layer call (send_hidden, echo, recv_output; two processes
@@ -56,6 +58,7 @@ _HEAD, _SLEEPING, _TAIL, _ENTRIES = 0, 64, 128, 256
 RING_BYTES = _ENTRIES + RING_ENTRIES * ENTRY_BYTES
 DEFAULT_SPIN_US = 5000
 IDLE_SPIN_US = 50
+SPIN_BACKOFF_S = 1.0  # no spinning for this long after a spin was preempted
 WAIT_CHUNK_MS = 1000  # how often a sleeping waiter checks its deadline and logs
 _LENGTH = struct.Struct("<I")
 _MASK = 0xFFFFFFFF
@@ -125,6 +128,7 @@ class RingLink(SocketLink):
         # Both rings start empty: head == tail == 0 in fresh memory.
         self._sent = 0
         self._received = 0
+        self._spin_from = 0.0  # no spinning before this time (after a preemption)
         self._peer_tail = 0
 
     def send(self, header: bytes, payload, deadline: float) -> int:
@@ -172,6 +176,8 @@ class RingLink(SocketLink):
         seq = self._received
         ring = self.recv_ring
         spin = self.spin_ns if deadline is not None else self.idle_spin_ns
+        if spin and self._spin_from and time.monotonic() < self._spin_from:
+            spin = 0
         while True:
             if deadline is None:
                 wait_ms = WAIT_CHUNK_MS
@@ -184,6 +190,9 @@ class RingLink(SocketLink):
                                                  spin, wait_ms, self._abort_address)
             if self._abort.value:  # this side closed the link meanwhile
                 raise LinkClosed("connection closed")
+            if status == 2:  # preempted while spinning: the core is shared, sleep a while
+                self._spin_from = time.monotonic() + SPIN_BACKOFF_S
+                break
             if status == 1:
                 break
             if status < 0:

@@ -362,12 +362,26 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
             raise AFDTimeoutError(timeout_message)
         return remaining
 
+    def _lazy_waiter(self, what: "str | What", label: str,
+                     deadline: float | None) -> WaitCallback:
+        """_waiter(what from label), built when a transport first calls it."""
+        start = time.monotonic()
+        built: list[WaitCallback] = []
+
+        def on_wait() -> None:
+            if not built:
+                built.append(self._waiter(What("{} from {}", what, label), deadline,
+                                          start=start))
+            built[0]()
+
+        return on_wait
+
     def _waiter(self, what: "str | What", deadline: float | None,
-                connecting: bool = False) -> WaitCallback:
+                connecting: bool = False, start: float | None = None) -> WaitCallback:
         """A callback transports call while blocked, logging every few seconds
         what this side waits for: info while connecting, a warning for a late
         answer, debug for an idle wait without deadline."""
-        start = time.monotonic()
+        start = time.monotonic() if start is None else start
         limit = None if deadline is None else deadline - start
         next_log = [LOG_INTERVAL_S]
 
@@ -402,7 +416,8 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
         unless kind is LayerFrame); its announced payload length is kept in
         self._announced[peer] for _recv_tensor."""
         label = peer_label or self.peer_name(peer)
-        on_wait = on_wait or self._waiter(What("{} from {}", what, label), deadline)
+        if on_wait is None:  # built on the first call only: most messages are waited briefly
+            on_wait = self._lazy_waiter(what, label, deadline)
         try:
             data, announced = self._receive(peer, deadline, on_wait)
             self.bytes_received += len(data)
