@@ -103,6 +103,7 @@ def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int
             "vllm": {"version": vllm.__version__, "file": vllm.__file__,
                      "afd": hasattr(llm.llm_engine.vllm_config, "afd_config")},
             "dummy_runs": (link or {}).get("dummy_runs"), "attention_backends": backends,
+            "ubatches": (link or {}).get("ubatches"),
             "amx": torch.cpu._is_amx_tile_supported()}
 
 

@@ -62,6 +62,8 @@ def test_afd_plugin_additional_config_is_mapped():
      "AFDConfig.connector: unknown connector 'rdma'; valid names: loopback, nccl, shm, tcp"),
     (["--afd-config", '{"port": 70000}'], "AFDConfig.port: 70000 is not in 1-65535"),
     (["--afd-config", '{"num_ubatches": 5}'], "AFDConfig.num_ubatches: 5 is not in 1-4"),
+    (["--afd-config", '{"ubatch_policy": "always"}'],
+     "ubatch_policy\n  Input should be 'auto' or 'fixed'"),
     (["--afd-config", '{"num_ffn_ranks": 0}'], "AFDConfig.num_ffn_ranks: must be >= 1"),
     (["--afd-config", '{"timeout_s": 0}'], "AFDConfig.timeout_s: must be > 0"),
     (["--afd-config", '{"prot": 1}'], "unknown key(s) ['prot']; valid keys:"),

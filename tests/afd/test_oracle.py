@@ -157,7 +157,7 @@ def test_afd_matches_plain(models_dir, tmp_path, model_name, connector, compile_
     # eager bits on Qwen3-MoE (measured 2026-12-01: the same tokens, logprobs
     # within 5e-7), so compiled AFD is held to the run every case shares.
     afd_config = {"connector": connector, "port": free_port(), "timeout_s": 60,
-                  "num_ubatches": num_ubatches, "gate_on": gate_on}
+                  "num_ubatches": num_ubatches, "ubatch_policy": "fixed", "gate_on": gate_on}
     if connector == "loopback":
         # Both roles in the oracle's process (tools/oracle.py starts the FFN engine).
         assert not compile_model and num_ubatches == 1 and gate_on == "ffn"
@@ -230,7 +230,7 @@ def test_deepseek_v3_routers_on_attention_then_micro_batched(models_dir, tmp_pat
     link adds and loses nothing."""
     model = models_dir / "tiny-deepseek-v3"
     config = {"connector": "tcp", "port": free_port(), "timeout_s": 60, "num_ubatches": 2,
-              "gate_on": "attention"}
+              "ubatch_policy": "fixed", "gate_on": "attention"}
     with ffn_server(model, config, tmp_path / "ffn.log") as ffn:
         plain = plain_result(model, tmp_path)  # while the FFN server starts
         ffn.wait_ready()
@@ -278,7 +278,8 @@ def test_fp8_transfer_accuracy(models_dir, tmp_path):
 def ubatch_ffn(models_dir, tmp_path_factory):
     """One FFN server (shm, up to 4 micro-batches) for the micro-batch cases: it
     serves one attention peer after the other."""
-    config = {"connector": "shm", "port": free_port(), "timeout_s": 60, "num_ubatches": 4}
+    config = {"connector": "shm", "port": free_port(), "timeout_s": 60, "num_ubatches": 4,
+              "ubatch_policy": "fixed"}
     log = tmp_path_factory.mktemp("ubatch-ffn") / "ffn.log"
     with ffn_server(models_dir / "tiny-qwen3-moe", config, log) as ffn:
         ffn.wait_ready()
@@ -297,3 +298,19 @@ def test_micro_batches_match_plain(models_dir, tmp_path, ubatch_ffn, num_ubatche
                      {**ubatch_ffn, "num_ubatches": num_ubatches, "role": "attention"})
     assert_same(plain, afd)
     assert_micro_batched(afd, model, num_ubatches)
+
+
+def test_auto_policy_matches_plain(models_dir, tmp_path, ubatch_ffn):
+    """ubatch_policy "auto" with up to 2 micro-batches: the rule measures both
+    counts and runs some steps split and some whole, within one generate; the
+    tokens and logprobs are plain vLLM's all the same."""
+    model = models_dir / "tiny-qwen3-moe"
+    plain = plain_result(model, tmp_path)
+    afd = run_oracle(model, tmp_path / "afd.json",
+                     {**ubatch_ffn, "num_ubatches": 2, "ubatch_policy": "auto",
+                      "role": "attention"})
+    assert_same(plain, afd)
+    rule = afd["ubatches"]
+    assert rule["policy"] == "auto" and rule["max"] == 2
+    assert rule["steps"].get("1", 0) > 0 and rule["steps"].get("2", 0) > 0, rule
+    assert sum(rule["steps"].values()) == afd["link_stats"]["steps"], rule

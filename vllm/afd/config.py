@@ -19,6 +19,7 @@ from vllm.utils.hashing import safe_hash
 
 AFDRole = Literal["attention", "ffn"]
 AFDGatePlacement = Literal["ffn", "attention"]
+AFDUbatchPolicy = Literal["auto", "fixed"]
 MAX_UBATCHES = 4
 
 # Keys of afd-plugin's `--additional-config '{"afd": {...}}'` and their aliases,
@@ -101,7 +102,14 @@ class AFDConfig:
 
     num_ubatches: int = 1
     """Micro-batches per step, pipelined so attention overlaps the FFN round trip
-    (1 to 4)."""
+    (1 to 4); with ubatch_policy 'auto' the most a step may use."""
+
+    ubatch_policy: AFDUbatchPolicy = "auto"
+    """Attention role, num_ubatches > 1: how many micro-batches a step runs.
+    'auto' (default): per step size, the count measured fastest, from 1 to
+    num_ubatches (each is timed on a few steps, again every 200 steps), so a
+    split that costs more than its overlap gains is not run; 'fixed': always
+    min(num_ubatches, tokens)."""
 
     gate_on: AFDGatePlacement = "ffn"
     """Where the MoE router runs: 'ffn' (default) or 'attention' (top-k ids and

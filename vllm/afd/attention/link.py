@@ -45,6 +45,7 @@ import torch
 from vllm.afd.attention import pingpong
 from vllm.afd.attention import status as link_status
 from vllm.afd.attention.pool import Pool
+from vllm.afd.attention.ubatch_rule import UbatchRule
 from vllm.afd.observability.metrics import LATENCY_BUCKETS_S, Histogram
 from vllm.afd.observability.stats import LinkStats, now
 from vllm.afd.transport.config import LinkConfig
@@ -86,7 +87,8 @@ class AttentionLink:
                  max_tokens: int, rank: int = 0, fingerprint: dict[str, str] | None = None,
                  device: DeviceContext | None = None,
                  connector_kwargs: dict[str, Any] | None = None,
-                 on_thread: Callable[[str, DeviceContext], None] | None = None):
+                 on_thread: Callable[[str, DeviceContext], None] | None = None,
+                 ubatch_rule: UbatchRule | None = None):
         self.config = LinkConfig.of(config)
         self.hidden_size = hidden_size
         self.dtype = dtype
@@ -97,6 +99,9 @@ class AttentionLink:
         self.device = device or DeviceContext("cpu")
         self.connector_kwargs = dict(connector_kwargs or {})
         self._on_thread = on_thread  # tests: which context each thread entered
+        # Chooses each real step's micro-batch count (the runner asks it); its
+        # steps end in end_step. None: the runner's split as configured.
+        self.ubatch_rule = ubatch_rule
         self.layers: list[int] = []
         self.routing_topk = 0  # experts per token of the routed layers (0: none)
         self.step_id = 0
@@ -407,7 +412,9 @@ class AttentionLink:
         member, self._member = self._member, None
         self._pending = {}
         if plan is None or not plan.is_real:
-            return
+            return  # dummy runs never time a micro-batch choice
+        if self.ubatch_rule is not None:
+            self.ubatch_rule.finish_step(ok=self._step_calls_left == 0 and not failed)
         if self._step_calls_left == 0 and not failed:
             self.stats.steps += 1
             self.stats.step_wall_s += now() - self._step_start
@@ -438,7 +445,8 @@ class AttentionLink:
                 "pool": members, "failovers": self.failovers,
                 "resent_layer_calls": self.resent_calls,
                 "failover_seconds": self.failover_time.as_dict(),
-                "last_failover_seconds": list(self.last_failovers)}
+                "last_failover_seconds": list(self.last_failovers),
+                "ubatches": self.ubatch_rule.document() if self.ubatch_rule else None}
 
     def _publish(self) -> None:
         # Serialized, so an older document never replaces a newer one.

@@ -29,6 +29,7 @@ import torch
 import vllm.forward_context as forward_context_module
 from vllm.afd.attention.link import CAPTURE, PROFILE, REAL, WARMUP, AttentionLink, StepPlan
 from vllm.afd.attention.pingpong import run_micro_batches
+from vllm.afd.attention.ubatch_rule import UbatchRule
 from vllm.afd.transport.device import DeviceContext
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import create_forward_context, get_forward_context
@@ -58,7 +59,8 @@ def get_or_create_link(vllm_config) -> AttentionLink:
                 max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
                 rank=attention_rank(vllm_config), fingerprint=model_fingerprint(vllm_config),
                 device=DeviceContext.current(vllm_config.device_config.device),
-                connector_kwargs=connector_kwargs(afd.connector))
+                connector_kwargs=connector_kwargs(afd.connector),
+                ubatch_rule=UbatchRule(afd.num_ubatches, afd.ubatch_policy))
             # Say goodbye at exit, so the FFN server knows the peer left on purpose.
             atexit.register(_link.close)
         return _link
@@ -109,10 +111,16 @@ def split_tokens(num_scheduled_tokens: np.ndarray, num_ubatches: int) -> list[UB
 def maybe_ubatch_slices(vllm_config, num_scheduled_tokens: np.ndarray, num_tokens_padded: int,
                         num_reqs_padded: int, ubatch_slices, ubatch_slices_padded):
     """The runner's (ubatch_slices, ubatch_slices_padded), split for AFD when
-    this is an attention role with num_ubatches > 1 (unchanged otherwise)."""
+    this is an attention role with num_ubatches > 1 (unchanged otherwise).
+    Only execute_model calls this (real steps): the link's UbatchRule picks
+    the count and times the step from here to the end of the model forward,
+    metadata builds included."""
     m = num_ubatches_for(vllm_config)
     if m < 2 or ubatch_slices is not None:
         return ubatch_slices, ubatch_slices_padded
+    link = _attention_link(vllm_config)
+    if link is not None and link.ubatch_rule is not None:
+        m = link.ubatch_rule.choose(int(num_scheduled_tokens.sum()))
     slices = split_tokens(num_scheduled_tokens, m)
     if slices is None:
         return None, None

@@ -21,6 +21,8 @@ vLLM's own metrics on the same /metrics:
   vllm_afd_failover_seconds (histogram)            attention: error -> resent output
   vllm_afd_pool_member_up{...,endpoint}            attention: 1 per ready member
   vllm_afd_pool_member_layer_calls_total{...,endpoint}
+  vllm_afd_ubatch_steps_total{...,ubatches}        attention: steps run with m micro-batches
+  vllm_afd_ubatch_chosen{...,tokens}               attention: m the rule runs for a step size
 
 Recording costs a bisect and two additions (the histograms are not locked:
 each has one writer thread, and a scrape reading a half-updated bucket is off
@@ -120,6 +122,13 @@ class LinkCollector:
         member_calls = CounterMetricFamily("vllm_afd_pool_member_layer_calls",
                                            "Layer calls answered by this FFN pool member",
                                            labels=[*labels, "endpoint"])
+        ubatch_steps = CounterMetricFamily("vllm_afd_ubatch_steps",
+                                           "Steps run with this many micro-batches",
+                                           labels=[*labels, "ubatches"])
+        ubatch_chosen = GaugeMetricFamily("vllm_afd_ubatch_chosen",
+                                          "Micro-batches the rule runs for steps of these "
+                                          "token counts (absent while it probes)",
+                                          labels=[*labels, "tokens"])
         errors = CounterMetricFamily("vllm_afd_connector_errors",
                                      "AFD link failures by kind", labels=[*labels, "kind"])
         histograms = {
@@ -143,6 +152,12 @@ class LinkCollector:
                 member = [*values, str(m.get("endpoint") or m.get("peer", ""))]
                 member_up.add_metric(member, 1.0 if m.get("state") == "ready" else 0.0)
                 member_calls.add_metric(member, float(m.get("layer_calls", 0)))
+            rule = d.get("ubatches") or {}
+            for m, count in rule.get("steps", {}).items():
+                ubatch_steps.add_metric([*values, m], float(count))
+            for bucket, b in rule.get("buckets", {}).items():
+                if b.get("chosen") is not None and not b.get("probing"):
+                    ubatch_chosen.add_metric([*values, bucket], float(b["chosen"]))
             for kind, count in sorted(d.get("errors", {}).items()):
                 errors.add_metric([*values, kind], float(count))
             for key, family in histograms.items():
@@ -156,6 +171,8 @@ class LinkCollector:
         yield from histograms.values()
         yield member_up
         yield member_calls
+        yield ubatch_steps
+        yield ubatch_chosen
 
 
 _registered: set[str] = set()
