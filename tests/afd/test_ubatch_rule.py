@@ -12,7 +12,8 @@ import torch
 
 from vllm.afd.attention import ubatch_rule
 from vllm.afd.attention.link import AttentionLink, StepPlan
-from vllm.afd.attention.ubatch_rule import PROBES, REPROBE_EVERY, WARMUP_STEPS, UbatchRule
+from vllm.afd.attention.ubatch_rule import (PROBES, REPROBE_EVERY, WARMUP_STEPS, WINDOW,
+                                            UbatchRule)
 from vllm.afd.ffn.loop import FFNLoop
 from vllm.afd.topology import FFNPlacement
 from vllm.afd.transport.config import LinkConfig
@@ -115,13 +116,30 @@ def test_reprobes_and_follows_a_change():
     cost = {1: 1.0, 2: 0.8}
     run_steps(rule, clock, 64, cost.__getitem__, probe_steps(2) + REPROBE_EVERY - 1)
     assert rule.chosen(64) == 2
-    # The FFN got busy (another attention peer): splitting now loses. The
-    # rule keeps m = 2 until its next probe round, then switches.
-    cost.update({1: 1.0, 2: 1.5})
+    # Whole steps got cheaper (say the FFN got a faster neighbour); m = 2 did
+    # not get slower, so only the regular probe round, due now, finds it.
+    cost.update({1: 0.5, 2: 0.8})
+    assert run_steps(rule, clock, 64, cost.__getitem__, 1) == [2]
     chosen = run_steps(rule, clock, 64, cost.__getitem__, 2 * PROBES + 10)
     assert 1 in chosen[:2 * PROBES + 1] and chosen[-5:] == [1] * 5
     assert rule.chosen(64) == 1
     assert rule.document()["buckets"]["49-64"]["decisions"] == 2
+
+
+def test_a_chosen_count_that_gets_slower_is_measured_again_at_once():
+    clock = FakeClock()
+    rule = UbatchRule(2, clock=clock)
+    cost = {1: 1.0, 2: 0.8}
+    run_steps(rule, clock, 64, cost.__getitem__, probe_steps(2) + 10)
+    assert rule.chosen(64) == 2
+    cost[2] = 1.5  # now slower than m = 1 was: a probe round well before REPROBE_EVERY
+    chosen = run_steps(rule, clock, 64, cost.__getitem__, 3 * WINDOW + 2 * PROBES)
+    assert chosen[-WINDOW:] == [1] * WINDOW and rule.chosen(64) == 1
+    assert rule.document()["buckets"]["49-64"]["decisions"] == 2
+    # Noise within the margin starts no round.
+    steps_before = rule.document()["buckets"]["49-64"]["steps"]["2"]
+    run_steps(rule, clock, 64, lambda m: 1.02 if m == 1 else 1.5, 3 * WINDOW)
+    assert rule.document()["buckets"]["49-64"]["steps"]["2"] == steps_before
 
 
 def test_failed_steps_and_warmup_steps_are_not_counted():

@@ -24,7 +24,9 @@ measures instead of modelling:
   the fewer micro-batches (less FFN work, fewer threads).
 - Every REPROBE_EVERY steps of a bucket the candidates are probed again
   (PROBES fresh steps each): load and batch mix change. The chosen one's
-  window is refreshed by every step it runs.
+  window is refreshed by every step it runs; when, over WINDOW steps, it has
+  become slower than another candidate was when last measured (by MARGIN),
+  the round starts at once.
 
 A step's time is taken by the caller from the choice (before vLLM builds the
 per-micro-batch attention metadata) to the end of the model forward, and
@@ -115,10 +117,20 @@ class _Bucket:
                 self._decide()
         else:
             self.since_probe += 1
-            if self.since_probe >= REPROBE_EVERY:
+            if self.since_probe >= REPROBE_EVERY or self._chosen_fell_behind():
                 self.probing, self.turn = True, 0
                 for x in self.candidates:
                     x.probed = 0
+
+    def _chosen_fell_behind(self) -> bool:
+        """The chosen count, over WINDOW steps run since the decision, is now
+        slower than another candidate was when last measured: measure again
+        now rather than at the next regular round."""
+        if self.since_probe < WINDOW:
+            return False
+        mine = self.candidates[self.chosen - 1].estimate()
+        return any(c.estimate() * (1 + MARGIN) < mine
+                   for c in self.candidates if c.m != self.chosen and c.window)
 
     def _decide(self) -> None:
         best = self.candidates[0]
