@@ -356,6 +356,7 @@ def test_data_plane_logs_through_stdlib_logging():
     root = Path(vllm.afd.__file__).parent
     for path in [*root.glob("transport/**/*.py"), root / "attention/link.py",
                  root / "attention/pingpong.py", root / "attention/status.py",
+                 root / "attention/ubatch_rule.py",
                  root / "ffn/loop.py", root / "ffn/batcher.py"]:
         text = path.read_text()
         assert not re.search(r"^\s*(from|import) vllm\.(?!afd)", text, re.M), path
