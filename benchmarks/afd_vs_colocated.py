@@ -83,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--transfer-dtype", choices=["auto", "fp8", "fp8-to-ffn"], default="auto",
                     help="AFDConfig.transfer_dtype: auto (exact), fp8 (both ways), fp8-to-ffn "
                          "(fp8 hidden states, exact outputs); default: %(default)s")
+    ap.add_argument("--no-auto", dest="auto", action="store_false",
+                    help="skip the AFD run under ubatch_policy 'auto' (the rule choosing m "
+                         f"per step, up to {FFN_UBATCHES})")
     ap.add_argument("--spin-us", type=int, default=None,
                     help="shm only: connector_extra_config spin_us on both roles (how long "
                          "a waiting side spins before it sleeps; default: the connector's)")
@@ -210,7 +213,14 @@ def allowed_cpus(pid: int) -> str:
     return "?"
 
 
-def run_afd(args: argparse.Namespace) -> dict[int, dict]:
+def afd_configs(args: argparse.Namespace) -> list[tuple[str, int, str]]:
+    """(name, num_ubatches, ubatch_policy) of every AFD run: each m split
+    always (fixed), then the rule's choice per step (auto)."""
+    configs = [(f"afd_m{m}", m, "fixed") for m in args.ubatches]
+    return configs + ([("afd_auto", FFN_UBATCHES, "auto")] if args.auto else [])
+
+
+def run_afd(args: argparse.Namespace) -> dict[str, dict]:
     """One FFN server; one attention-role run per m against it."""
     afd_port = free_port()
     server = ffn_server(args, afd_port)
@@ -220,10 +230,10 @@ def run_afd(args: argparse.Namespace) -> dict[int, dict]:
         server.start()
         print(f"[bench] FFN server ready in {server.wait_ready(600):.0f}s "
               f"(cpus {allowed_cpus(server.proc.pid)})", flush=True)
-        for m in args.ubatches:
-            afd = link_config(args, afd_port, m)
-            runs[m] = run_worker(args, "llm", f"afd-m{m}", ATTENTION_CORES,
-                                 ["--afd-config", json.dumps(afd), "--ffn-url", server.url])
+        for name, m, policy in afd_configs(args):
+            afd = dict(link_config(args, afd_port, m), ubatch_policy=policy)
+            runs[name] = run_worker(args, "llm", name.replace("_", "-"), ATTENTION_CORES,
+                                    ["--afd-config", json.dumps(afd), "--ffn-url", server.url])
     finally:
         server.stop()
     return runs
@@ -270,17 +280,26 @@ def summarize(args: argparse.Namespace, plain: dict, afd: dict[int, dict], floor
     n = args.max_tokens
     plain_by_b = {b: decode_summary(runs, int(b), n) for b, runs in plain["batches"].items()}
     configs = {}
-    for m, run in afd.items():
+    specs = {name: (m, policy) for name, m, policy in afd_configs(args)}
+    for name, run in afd.items():
+        m, policy = specs[name]
         per_b = {}
         for b, runs in run["batches"].items():
             s = decode_summary(runs, int(b), n)
             s["ratio_vs_plain"] = s["tokens_per_s"] / plain_by_b[b]["tokens_per_s"]
-            s["split_ms"] = step_split(runs, n, floor[str(m)][b])
+            chosen = chosen_ubatches(run.get("ubatches", {}).get(b), int(b))
+            if policy == "auto":
+                s["chosen_ubatches"] = chosen
+            floor_m = str(min(chosen or 1, m)) if policy == "auto" else str(m)
+            floor_b = floor.get(floor_m, floor[str(args.ubatches[0])])[b]
+            s["split_ms"] = step_split(runs, n, floor_b)
             s["split_ms"]["link_us_per_layer"] = (
                 (s["split_ms"]["attention_blocked_on_link"] - s["split_ms"]["ffn_compute"])
                 / model_facts(args.model)["num_hidden_layers"] * 1e3)
             per_b[b] = s
-        configs[f"afd_m{m}"] = {"num_ubatches": m, "engine": run["engine"], "batches": per_b}
+        configs[name] = {"num_ubatches": m, "ubatch_policy": policy,
+                         "label": f"m={m}" if policy == "fixed" else "auto",
+                         "engine": run["engine"], "batches": per_b}
     bound = overlap_bound(configs, plain_by_b)
     for cfg in configs.values():
         for b, s in cfg["batches"].items():
@@ -299,6 +318,17 @@ def summarize(args: argparse.Namespace, plain: dict, afd: dict[int, dict], floor
         "plain": {"engine": plain["engine"], "batches": plain_by_b},
         "afd": configs, "overlap_bound": bound, "transfer_floor": floor,
     }
+
+
+def chosen_ubatches(document: dict | None, b: int) -> int | None:
+    """The m the rule settled on for B-token decode steps, from the link's
+    `ubatches` document read after that batch size's runs: the choice of the
+    bucket holding b, or None while it was still probing."""
+    for bucket, state in ((document or {}).get("buckets") or {}).items():
+        lo, _, hi = bucket.partition("-")
+        if int(lo) <= b <= int(hi or lo):
+            return state.get("chosen")
+    return None
 
 
 def overlap_bound(configs: dict, plain_by_b: dict) -> dict:
@@ -387,7 +417,7 @@ def step_split(runs: list[dict], n: int, floor: dict) -> dict:
 
 
 def print_tables(res: dict) -> None:
-    ms = [c["num_ubatches"] for c in res["afd"].values()]
+    names = list(res["afd"])
     s = res["settings"]
     print(f"\nAFD 1:1 vs plain vLLM, {Path(res['model']['path']).name}, "
           f"N={s['max_tokens_N']}, {s['repeats']} repeats, {res['machine']['cpu_model']}")
@@ -395,11 +425,12 @@ def print_tables(res: dict) -> None:
     print("decode throughput ratio AFD / plain (plain in tokens/s):\n")
     bound = res.get("overlap_bound", {})
     print(f"{'B':>4} {'plain tok/s':>12} {'plain TPOT':>11} {'bound':>7}"
-          + "".join(f" {f'AFD m={m}':>9} {'of bound':>8}" for m in ms))
+          + "".join(f" {'AFD ' + res['afd'][k].get('label', 'm=%d' % res['afd'][k]['num_ubatches']):>9} {'of bound':>8}"
+                    for k in names))
     for b, p in res["plain"]["batches"].items():
         cells = ""
-        for m in ms:
-            r = res["afd"][f"afd_m{m}"]["batches"][b]
+        for k in names:
+            r = res["afd"][k]["batches"][b]
             fraction = r.get("fraction_of_bound")
             cells += f" {r['ratio_vs_plain']:>8.2f}x" + (
                 f" {fraction:>7.0%}" if fraction is not None else f" {'-':>8}")
@@ -408,8 +439,13 @@ def print_tables(res: dict) -> None:
     print("(bound: the ideal-overlap bound, max(attention, FFN) per step from the m = 1 run's "
           "single-thread\ntimes, as a ratio to plain; of bound: AFD's throughput as a fraction "
           "of it)")
-    if any(int(b) < m for b in res["plain"]["batches"] for m in ms):
+    if any(int(b) < c["num_ubatches"] for b in res["plain"]["batches"]
+           for c in res["afd"].values()):
         print("(a step of B tokens has min(m, B) micro-batches: where B < m, m is that number)")
+    if "afd_auto" in res["afd"]:
+        picks = ", ".join(f"B={b}: m={r.get('chosen_ubatches') or '?'}"
+                          for b, r in res["afd"]["afd_auto"]["batches"].items())
+        print(f"auto: the micro-batch rule's choice for decode steps: {picks}")
     print_split(res)
 
 
@@ -425,12 +461,12 @@ def print_split(res: dict) -> None:
           "attention work outside it,\nblocked = attention waiting on the link, ffn-idle = "
           "FFN waiting for hidden states, floor = echo\nround trips, overhead = step - attn "
           "- attn-out - ffn - floor; negative: overlap):\n")
-    print(f"{'m':>2} {'B':>4}" + "".join(f" {label:>9}" for _, label in SPLIT_COLUMNS)
+    print(f"{'m':>4} {'B':>4}" + "".join(f" {label:>9}" for _, label in SPLIT_COLUMNS)
           + f" {'link/layer':>10}")
     for cfg in res["afd"].values():
         for b, r in cfg["batches"].items():
             sp = r["split_ms"]
-            print(f"{cfg['num_ubatches']:>2} {b:>4}"
+            print(f"{cfg.get('label', cfg['num_ubatches']):>4} {b:>4}"
                   + "".join(f" {sp[key]:>9.2f}" for key, _ in SPLIT_COLUMNS)
                   + f" {sp['link_us_per_layer']:>8.0f}us")
     print("\n(link/layer: the attention side's wait on the link beyond the FFN's compute, per "
@@ -464,7 +500,7 @@ def plot_ratios(ax, res: dict) -> None:
     for cfg in res["afd"].values():
         bs = sorted(cfg["batches"], key=int)
         ax.plot([int(b) for b in bs], [cfg["batches"][b]["ratio_vs_plain"] for b in bs],
-                marker="o", label=f"AFD m={cfg['num_ubatches']}")
+                marker="o", label=f"AFD {cfg.get('label', cfg['num_ubatches'])}")
     ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label="plain vLLM")
     ax.set_xscale("log", base=2)
     sizes = res["settings"]["batch_sizes"]
@@ -494,7 +530,7 @@ def plot_split(ax, res: dict) -> None:
             value = max(sp[key], 0.0)
             ax.bar(i, value, bottom=bottom, color=f"C{j}", label=label if i == 1 else None)
             bottom += value
-        labels.append(f"AFD m={cfg['num_ubatches']}")
+        labels.append(f"AFD {cfg.get('label', cfg['num_ubatches'])}")
         steps.append(sp["step"])
     ax.scatter(range(len(steps)), steps, marker="_", s=900, color="black", zorder=3,
                label="measured step (TPOT)")
@@ -580,9 +616,14 @@ def worker_llm(args: argparse.Namespace) -> dict:
     warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     for b in args.batch_sizes:
         llm.generate(prompts(b), warm, use_tqdm=False)
-    batches = {str(b): measure_batch(llm, b, args.max_tokens, args.repeats, link, args.ffn_url)
-               for b in args.batch_sizes}
-    return {"engine": {**engine_facts(llm), "init_s": init_s}, "batches": batches}
+    batches, ubatches = {}, {}
+    for b in args.batch_sizes:
+        batches[str(b)] = measure_batch(llm, b, args.max_tokens, args.repeats, link,
+                                        args.ffn_url)
+        if args.afd_config:  # what the micro-batch rule chose so far (policy auto)
+            ubatches[str(b)] = llm.collective_rpc("afd_link_document")[0].get("ubatches")
+    return {"engine": {**engine_facts(llm), "init_s": init_s}, "batches": batches,
+            "ubatches": ubatches}
 
 
 def split_tokens(b: int, m: int) -> list[int]:

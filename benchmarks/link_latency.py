@@ -39,7 +39,9 @@ def free_port() -> int:
 
 
 def pin(core: int) -> None:
-    if hasattr(os, "sched_setaffinity") and core in os.sched_getaffinity(0):
+    """Pin this process to core (where the machine has it): not only where the
+    current affinity allows, since a spawned child inherits its parent's."""
+    if hasattr(os, "sched_setaffinity") and core < (os.cpu_count() or 1):
         os.sched_setaffinity(0, {core})
 
 

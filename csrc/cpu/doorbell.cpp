@@ -39,9 +39,10 @@ static inline void cpu_relax() {}
 
 namespace {
 
-// 64 spin iterations take well under a microsecond; a gap this long is a
-// preemption.
-constexpr int64_t kPreemptedNs = 50000;
+// 64 spin iterations take well under a microsecond. A gap of this much means
+// the spinner lost its core for a scheduler time slice (milliseconds), not
+// for an interrupt or a short-lived thread of its own process.
+constexpr int64_t kPreemptedNs = 500000;
 
 int64_t now_ns() {
   timespec ts;

@@ -26,8 +26,8 @@ FFN server waiting for the next step) at most IDLE_SPIN_US; then the waiter
 sleeps. An idle link therefore costs no CPU, and a busy one spends at most
 spin_us per wait of a core that would otherwise sit idle for that wait
 (attention and FFN on cores of their own). A spinning waiter that finds itself
-preempted (a gap of 50 us between its checks: more runnable threads than
-cores) stops spinning, sleeps, and does not spin again for SPIN_BACKOFF_S: a
+preempted (a gap of 0.5 ms between its checks: it lost its core for a time
+slice, so there are more runnable threads than cores) stops spinning, sleeps, and does not spin again for SPIN_BACKOFF_S: a
 preempted spinner waits out another thread's time slice (milliseconds) where
 a sleeper is woken at once, so on a shared core sleeping is faster. An
 oversubscribed machine pays one time slice per second and link. spin_us 0: never spin (every wait
