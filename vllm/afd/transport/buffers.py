@@ -97,11 +97,6 @@ class HostSlots:
             if buffer is None:
                 buffer = self._device_buffers[u] = self.ops.empty(self.slot_bytes)
             out = self._typed(("device", u), buffer, dtype, shape, nbytes)
-        if out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous():
-            # One memmove, as write() does: for decode-sized payloads torch's
-            # copy_ costs more in dispatch than in copying.
-            ctypes.memmove(out.data_ptr(), view.data_ptr(), nbytes)
-            return out
         ops = self.ops_for(out)
         ops.copy(out, view)
         self._events[u] = ops.record()
