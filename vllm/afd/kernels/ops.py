@@ -9,11 +9,18 @@ vllm/afd/_C; a machine without the wheel (the GPU check) builds it from csrc/
 and hands the built file to load().
 """
 
+import glob
 import importlib
+import logging
+import os
+import sys
+from pathlib import Path
 
 import torch
 
 from vllm.afd.transport.wire import ROUTING_ALIGN, PayloadLayout
+
+logger = logging.getLogger(__name__)
 
 _loaded = False
 _library_path: str | None = None
@@ -26,14 +33,34 @@ def load(path: str | None = None) -> None:
     global _loaded, _library_path
     if _loaded:
         return
-    if path is not None:
-        torch.ops.load_library(path)
-        _library_path = path
+    if path is None:
+        try:
+            path = importlib.import_module("vllm.afd._C").__file__
+        except ImportError:
+            # A source tree without a built library (e.g. the working directory
+            # of a Ray worker) shadowing an installed vllm-afd: use the
+            # installed one's.
+            path = _installed_library()
+            torch.ops.load_library(path)
     else:
-        _library_path = importlib.import_module("vllm.afd._C").__file__
+        torch.ops.load_library(path)
+    _library_path = path
     _register_fakes()
     _register_composites()
     _loaded = True
+
+
+def _installed_library() -> str:
+    here = Path(__file__).resolve().parent.parent  # this tree's vllm/afd
+    for entry in sys.path:
+        for candidate in sorted(glob.glob(os.path.join(entry or ".", "vllm", "afd", "_C*.so"))):
+            if Path(candidate).resolve().parent != here:
+                logger.warning("AFD: vllm.afd._C is not built in %s; using %s", here,
+                               candidate)
+                return candidate
+    raise ImportError(f"the afd op library (vllm.afd._C) is not built in {here} and no "
+                      f"installed vllm-afd has one: build it in place (make dev-test) or "
+                      f"install the wheel (make install)")
 
 
 def library_path() -> str:
