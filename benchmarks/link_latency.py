@@ -133,7 +133,9 @@ def main(argv=None) -> int:
     ap.add_argument("--connectors", default="shm,tcp")
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--idle-s", type=float, default=2.0)
-    ap.add_argument("--extra", default="{}", help="connector_extra_config (JSON) for shm")
+    ap.add_argument("--extra", default='{"spin_us": 5000}',
+                    help="connector_extra_config (JSON) for shm (default: %(default)s, the "
+                         "setting for cores of their own)")
     ap.add_argument("--out", type=Path,
                     default=Path(__file__).parent / "results" / "link_latency.json")
     args = ap.parse_args(argv)

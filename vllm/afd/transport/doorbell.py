@@ -20,6 +20,12 @@ if the receiver sleeps). A receiver waits for head to move: it spins for up to
 what it was: the rendezvous, the handshake, and how a dead or closed peer is
 noticed (EOF on the descriptor a sleeping receiver polls).
 
+Default: no spinning (DEFAULT_SPIN_US 0). On a host with more runnable
+threads than cores (this project's 2-core CI, which runs several servers at
+once) spinning slowed the suite's multi-server tests (3A:2F 94 s -> 166 s);
+on cores of their own (`make bench`, a GPU server's per-worker cores) set
+connector_extra_config {"spin_us": 5000}: 35 us round trips instead of ~160.
+
 CPU use: a wait inside a step (an answer is due) spins up to spin_us
 (connector_extra_config, default DEFAULT_SPIN_US), a wait without deadline (an
 FFN server waiting for the next step) at most IDLE_SPIN_US; then the waiter
@@ -56,7 +62,7 @@ RING_ENTRIES = 16  # > 1 + 2 x MAX_UBATCHES: a sender never waits in a normal st
 ENTRY_BYTES = 20 * 1024  # an ErrorFrame's 4096 characters of UTF-8 and then some
 _HEAD, _SLEEPING, _TAIL, _ENTRIES = 0, 64, 128, 256
 RING_BYTES = _ENTRIES + RING_ENTRIES * ENTRY_BYTES
-DEFAULT_SPIN_US = 5000
+DEFAULT_SPIN_US = 0  # see the module docstring: 5000 on cores of their own
 IDLE_SPIN_US = 50
 SPIN_BACKOFF_S = 1.0  # no spinning for this long after a spin was preempted
 WAIT_CHUNK_MS = 1000  # how often a sleeping waiter checks its deadline and logs
