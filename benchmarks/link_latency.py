@@ -20,7 +20,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -142,9 +141,11 @@ def main(argv=None) -> int:
     pin(ATTENTION_CORE)
     import torch
 
+    from vllm.afd.planner.calibrate import cpu_model
+
     torch.set_num_threads(1)
     results = {"benchmark": "link_latency", "machine": {
-        "cpu_model": platform.processor() or _cpu_model(), "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
         "load_average_1m": os.getloadavg()[0]},
         "settings": {"hidden": HIDDEN, "dtype": "bfloat16", "iters": args.iters,
                      "cores": {"attention": ATTENTION_CORE, "ffn": FFN_CORE}},
@@ -162,16 +163,6 @@ def main(argv=None) -> int:
     args.out.write_text(json.dumps(results, indent=1))
     print(f"[bench-link] wrote {args.out}")
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

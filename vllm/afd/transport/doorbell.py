@@ -52,6 +52,7 @@ import time
 
 import torch
 
+from vllm.afd.transport.connectors.tcp import _HANGUP as HANGUP
 from vllm.afd.transport.connectors.tcp import SocketLink
 from vllm.afd.transport.errors import LinkClosed, LinkTimeout, WaitCallback
 from vllm.afd.transport.wire import ProtocolError
@@ -173,8 +174,7 @@ class RingLink(SocketLink):
 
     def _peer_hung_up(self) -> bool:
         poller = select.poll()
-        poller.register(self._fd, select.POLLHUP | select.POLLERR |
-                        getattr(select, "POLLRDHUP", 0x2000))
+        poller.register(self._fd, HANGUP)
         return bool(poller.poll(0))
 
     def recv_message(self, deadline: float | None,
