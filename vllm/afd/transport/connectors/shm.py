@@ -187,8 +187,6 @@ class ShmConnector(TcpConnector):
                              f"{spin_us!r}; expected microseconds in 0-1000000 (0: never "
                              f"spin, sleep until woken)")
         self.spin_us = spin_us
-        # peer -> the message rings (send, receive) after the slots
-        self._rings: dict[int, tuple[doorbell.Ring, doorbell.Ring]] = {}
 
     @property
     def _segment_bytes(self) -> int:
@@ -261,7 +259,6 @@ class ShmConnector(TcpConnector):
         # From here on messages travel through the rings; the socket only
         # wakes a sleeping receiver and reports a peer's death.
         rings = (doorbell.Ring(writes.tensor[:ring]), doorbell.Ring(reads.tensor[:ring]))
-        self._rings[peer] = rings
         self._links[peer] = doorbell.RingLink(self._links[peer], *rings, spin_us=self.spin_us)
 
     def _on_ack(self, ack_transport: bytes) -> None:
@@ -362,7 +359,6 @@ class ShmConnector(TcpConnector):
             for slots in table.values():
                 slots.close()
             table.clear()
-        self._rings.clear()  # unmapped once no waiting thread holds them
         for segments in list(self._segments.values()):
             for segment in segments:
                 segment.close()
