@@ -39,6 +39,7 @@ _QWEN3_MOE = dict(
     arch="Qwen3MoeForCausalLM", num_attention_heads=4, num_key_value_heads=2,
     head_dim=32, decoder_sparse_step=1, norm_topk_prob=True,
 )
+_GQA = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 _MLA = dict(
     num_hidden_layers=3, hidden_size=128, intermediate_size=256,
     num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
@@ -71,7 +72,63 @@ SPECS = {
         num_attention_heads=16, num_key_value_heads=4, head_dim=128,
         num_experts=16, num_experts_per_tok=4, moe_intermediate_size=384,
     ),
+    # One small checkpoint per further model family, in the HF layout vLLM
+    # loads. GQA with head_dim 32/64 (head sizes the CPU attention backend
+    # supports) and hidden/intermediate sizes that are multiples of 32 (the
+    # CPU MoE kernels need them).
+    "tiny-mixtral": dict(
+        _GQA, arch="MixtralForCausalLM", num_hidden_layers=2, hidden_size=128,
+        intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
+    ),
+    # Qwen2-MoE derives head_dim from hidden // heads (32) and always has a
+    # q/k/v bias; layer 0 is dense through mlp_only_layers.
+    "tiny-qwen2-moe": dict(
+        arch="Qwen2MoeForCausalLM", num_hidden_layers=3, hidden_size=128,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+        moe_intermediate_size=64, shared_expert_intermediate_size=128,
+        num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+        mlp_only_layers=[0], norm_topk_prob=True,
+    ),
+    # GLM-4.5 style: dense layer 0, sigmoid grouped top-k with a correction
+    # bias, one shared expert, q/k/v bias, partial rotary (HF default 0.5).
+    "tiny-glm4-moe": dict(
+        _GQA, arch="Glm4MoeForCausalLM", num_hidden_layers=3, hidden_size=128,
+        intermediate_size=256, moe_intermediate_size=64, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+        n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        attention_bias=True, use_qk_norm=False, num_nextn_predict_layers=0,
+    ),
+    # Unquantized (bf16) experts: vLLM's MXFP4 path needs AMX on CPU. Keeps
+    # HF's yarn rope defaults (original 4096 x 32) and its alternating
+    # sliding/full layers; vLLM slides on even layers. Attention sinks.
+    "tiny-gpt-oss": dict(
+        arch="GptOssForCausalLM", num_hidden_layers=4, hidden_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=64, max_position_embeddings=4096,
+    ),
+    # Text-only Llama 4 (Llama4TextConfig): MoE on odd layers (router +
+    # shared expert, fused expert tensors), dense on even ones; layer 3 is
+    # NoPE (no_rope_layer_interval 4). top-1 routing: vLLM applies the router
+    # weight on the input, which the CPU MoE supports only for top_k == 1.
+    "tiny-llama4": dict(
+        _GQA, arch="Llama4ForCausalLM", num_hidden_layers=4, hidden_size=128,
+        intermediate_size=64, intermediate_size_mlp=256, num_local_experts=8,
+        num_experts_per_tok=1, interleave_moe_layer_step=2,
+        attention_chunk_size=128,
+    ),
+    "tiny-llama": dict(
+        _GQA, arch="LlamaForCausalLM", num_hidden_layers=2, hidden_size=128,
+        intermediate_size=256,
+    ),
+    "tiny-qwen3": dict(
+        _GQA, arch="Qwen3ForCausalLM", num_hidden_layers=2, hidden_size=128,
+        intermediate_size=256,
+    ),
 }
+# Architectures whose HF config class is not arch.replace("ForCausalLM",
+# "Config") (Llama4Config is the multimodal wrapper).
+CONFIG_CLASS = {"Llama4ForCausalLM": "Llama4TextConfig"}
 TINY = [n for n in SPECS if n.startswith("tiny-")]
 
 
@@ -129,12 +186,14 @@ def build_config(name: str) -> dict:
 
     spec = dict(SPECS[name])
     arch = spec.pop("arch")
-    cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    cfg = cls(
+    cls = getattr(transformers,
+                  CONFIG_CLASS.get(arch, arch.replace("ForCausalLM", "Config")))
+    kwargs = dict(
         vocab_size=VOCAB, max_position_embeddings=2048, rms_norm_eps=1e-6,
         hidden_act="silu", tie_word_embeddings=False, bos_token_id=0,
-        eos_token_id=0, pad_token_id=0, architectures=[arch], **spec,
+        eos_token_id=0, pad_token_id=0, architectures=[arch],
     )
+    cfg = cls(**dict(kwargs, **spec))
     d = cfg.to_dict()
     for k, v in spec.items():
         # Aliased keys (num_experts -> num_local_experts in transformers 5) are
@@ -152,49 +211,122 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], str]]:
         "model.norm.weight": ((h,), "ones"),
         "lm_head.weight": ((VOCAB, h), "normal"),
     }
-    mla = "kv_lora_rank" in cfg
     for i in range(nl):
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = ((h,), "ones")
         out[p + "post_attention_layernorm.weight"] = ((h,), "ones")
-        a = p + "self_attn."
-        nh = cfg["num_attention_heads"]
-        if mla:
-            r, nope = cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"]
-            kvr, vd = cfg["kv_lora_rank"], cfg["v_head_dim"]
-            out[a + "q_proj.weight"] = ((nh * (nope + r), h), "normal")
-            out[a + "kv_a_proj_with_mqa.weight"] = ((kvr + r, h), "normal")
-            out[a + "kv_a_layernorm.weight"] = ((kvr,), "ones")
-            out[a + "kv_b_proj.weight"] = ((nh * (nope + vd), kvr), "normal")
-            out[a + "o_proj.weight"] = ((h, nh * vd), "normal")
-            n_exp = cfg["n_routed_experts"]
-            sparse = i >= cfg["first_k_dense_replace"]
+        out.update(_attention_shapes(cfg, p + "self_attn."))
+        out.update(_ffn_shapes(cfg, i, p))
+    return out
+
+
+def _arch(cfg: dict) -> str:
+    return cfg["architectures"][0]
+
+
+def _attention_shapes(cfg: dict, a: str) -> dict:
+    h, nh, arch = cfg["hidden_size"], cfg["num_attention_heads"], _arch(cfg)
+    out = {}
+    if "kv_lora_rank" in cfg:  # MLA (DeepSeek V2/V3)
+        r, nope = cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"]
+        kvr, vd = cfg["kv_lora_rank"], cfg["v_head_dim"]
+        out[a + "q_proj.weight"] = ((nh * (nope + r), h), "normal")
+        out[a + "kv_a_proj_with_mqa.weight"] = ((kvr + r, h), "normal")
+        out[a + "kv_a_layernorm.weight"] = ((kvr,), "ones")
+        out[a + "kv_b_proj.weight"] = ((nh * (nope + vd), kvr), "normal")
+        out[a + "o_proj.weight"] = ((h, nh * vd), "normal")
+        return out
+    # Qwen2-MoE has no head_dim field (vLLM uses hidden // heads).
+    hd, nkv = cfg.get("head_dim") or h // nh, cfg["num_key_value_heads"]
+    out[a + "q_proj.weight"] = ((nh * hd, h), "normal")
+    out[a + "k_proj.weight"] = ((nkv * hd, h), "normal")
+    out[a + "v_proj.weight"] = ((nkv * hd, h), "normal")
+    out[a + "o_proj.weight"] = ((h, nh * hd), "normal")
+    if cfg.get("qkv_bias") or cfg.get("attention_bias"):
+        out[a + "q_proj.bias"] = ((nh * hd,), "normal")
+        out[a + "k_proj.bias"] = ((nkv * hd,), "normal")
+        out[a + "v_proj.bias"] = ((nkv * hd,), "normal")
+    if arch == "GptOssForCausalLM":
+        out[a + "o_proj.bias"] = ((h,), "normal")
+        out[a + "sinks"] = ((nh,), "normal")
+    # Llama 4's qk-norm has no weight.
+    if arch.startswith("Qwen3") or (
+            arch == "Glm4MoeForCausalLM" and cfg.get("use_qk_norm")):
+        out[a + "q_norm.weight"] = ((hd,), "ones")
+        out[a + "k_norm.weight"] = ((hd,), "ones")
+    return out
+
+
+def _glu(q: str, h: int, inter: int, names=("gate_proj", "up_proj", "down_proj")):
+    g, u, d = names
+    return {
+        f"{q}{g}.weight": ((inter, h), "normal"),
+        f"{q}{u}.weight": ((inter, h), "normal"),
+        f"{q}{d}.weight": ((h, inter), "normal"),
+    }
+
+
+def _ffn_shapes(cfg: dict, i: int, p: str) -> dict:
+    h, arch = cfg["hidden_size"], _arch(cfg)
+    out = {}
+    if arch == "MixtralForCausalLM":
+        m, e = p + "block_sparse_moe.", cfg["num_local_experts"]
+        out[m + "gate.weight"] = ((e, h), "normal")
+        for j in range(e):
+            out.update(_glu(f"{m}experts.{j}.", h, cfg["intermediate_size"],
+                            ("w1", "w3", "w2")))
+        return out
+    if arch == "GptOssForCausalLM":
+        # Fused expert tensors, [E, in, out]; gate/up interleaved along 2I.
+        m, e, inter = p + "mlp.", cfg["num_local_experts"], cfg["intermediate_size"]
+        out[m + "router.weight"] = ((e, h), "normal")
+        out[m + "router.bias"] = ((e,), "normal")
+        out[m + "experts.gate_up_proj"] = ((e, h, 2 * inter), "normal")
+        out[m + "experts.gate_up_proj_bias"] = ((e, 2 * inter), "normal")
+        out[m + "experts.down_proj"] = ((e, inter, h), "normal")
+        out[m + "experts.down_proj_bias"] = ((e, h), "normal")
+        return out
+    if arch == "Llama4ForCausalLM":
+        m, inter = p + "feed_forward.", cfg["intermediate_size"]
+        step = cfg["interleave_moe_layer_step"]
+        if step > 0 and (i + 1) % step == 0:
+            e = cfg["num_local_experts"]
+            out[m + "router.weight"] = ((e, h), "normal")
+            # The HF Llama 4 layout: fused [E, H, 2I] (gate | up) and [E, I, H].
+            out[m + "experts.gate_up_proj"] = ((e, h, 2 * inter), "normal")
+            out[m + "experts.down_proj"] = ((e, inter, h), "normal")
+            out.update(_glu(m + "shared_expert.", h, inter))
         else:
-            hd, nkv = cfg["head_dim"], cfg["num_key_value_heads"]
-            out[a + "q_proj.weight"] = ((nh * hd, h), "normal")
-            out[a + "k_proj.weight"] = ((nkv * hd, h), "normal")
-            out[a + "v_proj.weight"] = ((nkv * hd, h), "normal")
-            out[a + "o_proj.weight"] = ((h, nh * hd), "normal")
-            out[a + "q_norm.weight"] = ((hd,), "ones")
-            out[a + "k_norm.weight"] = ((hd,), "ones")
-            n_exp = cfg["num_experts"]
-            sparse = (i + 1) % cfg["decoder_sparse_step"] == 0
-        m = p + "mlp."
-        mlps = []
-        if sparse:
-            mi = cfg["moe_intermediate_size"]
-            out[m + "gate.weight"] = ((n_exp, h), "normal")
-            if cfg.get("topk_method") == "noaux_tc":
-                out[m + "gate.e_score_correction_bias"] = ((n_exp,), "bias")
-            mlps += [(f"{m}experts.{e}.", mi) for e in range(n_exp)]
-            if cfg.get("n_shared_experts"):
-                mlps.append((m + "shared_experts.", mi * cfg["n_shared_experts"]))
-        else:
-            mlps.append((m, cfg["intermediate_size"]))
-        for q, inter in mlps:
-            out[q + "gate_proj.weight"] = ((inter, h), "normal")
-            out[q + "up_proj.weight"] = ((inter, h), "normal")
-            out[q + "down_proj.weight"] = ((h, inter), "normal")
+            out.update(_glu(m, h, cfg["intermediate_size_mlp"]))
+        return out
+    m = p + "mlp."
+    if "n_routed_experts" in cfg:  # DeepSeek V2/V3, GLM-4 MoE
+        n_exp = cfg["n_routed_experts"]
+        sparse = i >= cfg["first_k_dense_replace"]
+    elif "num_experts" in cfg:  # Qwen3-MoE, Qwen2-MoE
+        n_exp = cfg["num_experts"]
+        sparse = (i not in (cfg.get("mlp_only_layers") or [])
+                  and (i + 1) % cfg["decoder_sparse_step"] == 0)
+    else:  # dense
+        n_exp, sparse = 0, False
+    mlps = []
+    if sparse:
+        mi = cfg["moe_intermediate_size"]
+        out[m + "gate.weight"] = ((n_exp, h), "normal")
+        if (cfg.get("topk_method") == "noaux_tc"
+                or arch == "Glm4MoeForCausalLM"):
+            out[m + "gate.e_score_correction_bias"] = ((n_exp,), "bias")
+        mlps += [(f"{m}experts.{e}.", mi) for e in range(n_exp)]
+        if cfg.get("n_shared_experts"):
+            mlps.append((m + "shared_experts.", mi * cfg["n_shared_experts"]))
+        if arch == "Qwen2MoeForCausalLM":
+            mlps.append((m + "shared_expert.",
+                         cfg["shared_expert_intermediate_size"]))
+            out[m + "shared_expert_gate.weight"] = ((1, h), "normal")
+    else:
+        mlps.append((m, cfg["intermediate_size"]))
+    for q, inter in mlps:
+        out.update(_glu(q, h, inter))
     return out
 
 
