@@ -297,6 +297,9 @@ def summarize(args: argparse.Namespace, plain: dict, afd: dict[int, dict], floor
             s["split_ms"]["link_us_per_layer"] = (
                 (s["split_ms"]["attention_blocked_on_link"] - s["split_ms"]["ffn_compute"])
                 / model_facts(args.model)["num_hidden_layers"] * 1e3)
+            s["split_ms"]["ffn_outside_mlp_us_per_layer"] = (
+                s["split_ms"]["ffn_outside_mlp"] / model_facts(args.model)["num_hidden_layers"]
+                * 1e3 / m)
             per_b[b] = s
         configs[name] = {"num_ubatches": m, "ubatch_policy": policy,
                          "label": f"m={m}" if policy == "fixed" else "auto",
@@ -407,6 +410,9 @@ def step_split(runs: list[dict], n: int, floor: dict) -> dict:
         "ffn_compute": ms(f["compute_s"]),
         "ffn_idle": ms(f["wait_s"]),
         "ffn_send": ms(f["send_s"]),
+        # The FFN loop's own work per step: neither the mlp nor waiting for
+        # hidden states (unpacking, batching, the output's copy and send).
+        "ffn_outside_mlp": ms(f["step_wall_s"] - f["compute_s"] - f["wait_s"]),
         "transfer_floor": floor["floor_ms"],
     }
     parts = ("attention_compute", "attention_outside_link", "ffn_compute", "transfer_floor")
@@ -453,26 +459,29 @@ def print_tables(res: dict) -> None:
 SPLIT_COLUMNS = [("step", "step"), ("attention_compute", "attn"),
                  ("attention_outside_link", "attn-out"),
                  ("attention_blocked_on_link", "blocked"), ("ffn_compute", "ffn"),
-                 ("ffn_idle", "ffn-idle"), ("transfer_floor", "floor"),
+                 ("ffn_idle", "ffn-idle"), ("ffn_outside_mlp", "ffn-other"),
+                 ("transfer_floor", "floor"),
                  ("idle_overhead", "overhead")]
 
 
 def print_split(res: dict) -> None:
     print("\nper decode step, ms (attn = attention compute in the link window, attn-out = "
           "attention work outside it,\nblocked = attention waiting on the link, ffn-idle = "
-          "FFN waiting for hidden states, floor = echo\nround trips, overhead = step - attn "
+          "FFN waiting for hidden states, ffn-other = the FFN loop's work\noutside the mlp (unpack, batch, copy out, send), floor = echo\nround trips, overhead = step - attn "
           "- attn-out - ffn - floor; negative: overlap):\n")
     print(f"{'m':>4} {'B':>4}" + "".join(f" {label:>9}" for _, label in SPLIT_COLUMNS)
-          + f" {'link/layer':>10}")
+          + f" {'link/layer':>10} {'ffn-other/call':>14}")
     for cfg in res["afd"].values():
         for b, r in cfg["batches"].items():
             sp = r["split_ms"]
             print(f"{cfg.get('label', cfg['num_ubatches']):>4} {b:>4}"
                   + "".join(f" {sp[key]:>9.2f}" for key, _ in SPLIT_COLUMNS)
-                  + f" {sp['link_us_per_layer']:>8.0f}us")
+                  + f" {sp['link_us_per_layer']:>8.0f}us"
+                  + (f" {sp['ffn_outside_mlp_us_per_layer']:>12.0f}us"
+                     if "ffn_outside_mlp_us_per_layer" in sp else ""))
     print("\n(link/layer: the attention side's wait on the link beyond the FFN's compute, per "
           "layer: (blocked - ffn) / layers;\nwith m > 1 the FFN computes while attention does, "
-          "so it is a lower bound there)")
+          "so it is a lower bound there;\nffn-other/call: ffn-other per layer call (layer x micro-batch), part of link/layer at m = 1)")
 
 
 # ===================================================================== plot

@@ -125,6 +125,11 @@ SPECS = {
         _GQA, arch="Qwen3ForCausalLM", num_hidden_layers=2, hidden_size=128,
         intermediate_size=256,
     ),
+    # Qwen2 / Qwen2.5 dense: head_dim from hidden // heads (32), q/k/v bias.
+    "tiny-qwen2": dict(
+        arch="Qwen2ForCausalLM", num_hidden_layers=2, hidden_size=128,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+    ),
 }
 # Architectures whose HF config class is not arch.replace("ForCausalLM",
 # "Config") (Llama4Config is the multimodal wrapper).
@@ -242,7 +247,8 @@ def _attention_shapes(cfg: dict, a: str) -> dict:
     out[a + "k_proj.weight"] = ((nkv * hd, h), "normal")
     out[a + "v_proj.weight"] = ((nkv * hd, h), "normal")
     out[a + "o_proj.weight"] = ((h, nh * hd), "normal")
-    if cfg.get("qkv_bias") or cfg.get("attention_bias"):
+    # vLLM's Qwen2 attention always has a q/k/v bias (Qwen2Config has no field).
+    if cfg.get("qkv_bias") or cfg.get("attention_bias") or arch == "Qwen2ForCausalLM":
         out[a + "q_proj.bias"] = ((nh * hd,), "normal")
         out[a + "k_proj.bias"] = ((nkv * hd,), "normal")
         out[a + "v_proj.bias"] = ((nkv * hd,), "normal")

@@ -107,6 +107,50 @@ def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int
             "amx": torch.cpu._is_amx_tile_supported()}
 
 
+def run_matrix(args) -> int:
+    """The model matrix (tests/afd/test_families.py): one process start for
+    every model's plain and AFD runs. A model that fails is recorded, and the
+    others still run."""
+    import traceback
+    from pathlib import Path
+
+    out = Path(args.matrix)
+    out.mkdir(parents=True, exist_ok=True)
+    for model in args.model:
+        name = Path(model).name
+        # loopback binds nothing; the port is only validated.
+        afd_config = json.dumps({"connector": "loopback", "port": 7700, "timeout_s": 60,
+                                 "role": "attention"})
+        t0 = time.monotonic()
+        try:
+            for kind, config in (("plain", None), ("afd", afd_config)):
+                result = run(model, config, False, args.max_tokens, args.num_prompts,
+                             args.dtype, attention_backend_for(model), args.prompt)
+                result["wall_s"] = time.monotonic() - t0
+                (out / f"{name}.{kind}.json").write_text(json.dumps(result))
+                release_engine()
+        except Exception:  # noqa: BLE001 - reported per model; the next one runs
+            (out / f"{name}.error.txt").write_text(traceback.format_exc())
+            release_engine()
+    return 0
+
+
+def release_engine() -> None:
+    """Free the last LLM's engine so another can start in this process."""
+    import gc
+
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    try:  # vllm-afd's; stock vLLM (the stock reference) has none
+        from vllm.afd.attention.runner import close_link
+    except ImportError:
+        close_link = None
+    if close_link is not None:
+        close_link()  # the next engine in this process links anew
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
 def start_inprocess_ffn(llm_kwargs: dict):
     """The FFN role in this process (uniprocessor executor): the loopback
     connector's two ends must share a process."""
@@ -119,8 +163,12 @@ def start_inprocess_ffn(llm_kwargs: dict):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("model", nargs="+", help="one checkpoint (several with --matrix)")
+    ap.add_argument("--out", help="the result file (the AFD run's with --plain-out)")
+    ap.add_argument("--matrix", metavar="DIR",
+                    help="for each model in turn, in this one process: plain vLLM, then AFD "
+                         "with both roles here (loopback); writes DIR/NAME.plain.json and "
+                         "DIR/NAME.afd.json, or DIR/NAME.error.txt if that model failed")
     ap.add_argument("--afd-config", default=None)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -130,6 +178,9 @@ def main() -> int:
     ap.add_argument("--attention-backend", default=None,
                     help="e.g. CPU_MLA: the MLA kernels every CPU runs (else AMX hosts "
                          "pick AMX_MLA, which refuses fp32 weights)")
+    ap.add_argument("--plain-out", default=None,
+                    help="first run plain vLLM in this process and write its result here "
+                         "(then the --afd-config run: one process start for both)")
     ap.add_argument("--fake-amx", action="store_true",
                     help="tests: make this process's vLLM believe the CPU has AMX tiles "
                          "(the choice an Intel AMX host makes, on any CPU)")
@@ -138,6 +189,17 @@ def main() -> int:
         import torch
 
         torch.cpu._is_amx_tile_supported = lambda: True
+    if args.matrix:
+        return run_matrix(args)
+    if len(args.model) != 1 or not args.out:
+        ap.error("one model and --out (several models need --matrix)")
+    args.model = args.model[0]
+    if args.plain_out:
+        plain = run(args.model, None, args.compile, args.max_tokens, args.num_prompts,
+                    args.dtype, args.attention_backend, args.prompt)
+        with open(args.plain_out, "w") as f:
+            json.dump(plain, f)
+        release_engine()
     result = run(args.model, args.afd_config, args.compile, args.max_tokens,
                  args.num_prompts, args.dtype, args.attention_backend, args.prompt)
     with open(args.out, "w") as f:

@@ -25,6 +25,7 @@ FAMILIES = {
     "tiny-llama4": ("Llama4TextConfig", "llama4_text", "feed_forward"),
     "tiny-llama": ("LlamaConfig", "llama", "mlp"),
     "tiny-qwen3": ("Qwen3Config", "qwen3", "mlp"),
+    "tiny-qwen2": ("Qwen2Config", "qwen2", "mlp"),
 }
 
 

@@ -13,6 +13,10 @@ work with AFD:
   with a connector that cannot be captured: an exchange cannot run inside a
   graph (none of the shipped connectors can).
 - a connector whose payloads stay on the device (nccl) on another device type.
+- a model whose architecture AFD does not split (model/families.py), or
+  gate_on "attention" for a family whose router cannot move.
+- speculative decoding: draft layers are built with the same decoder layers,
+  whose FFN construction AFD marks, and would be split too.
 - tensor or pipeline parallelism on the attention role: its ranks are its
   data-parallel ranks (one link each); a TP group would send every layer once
   per worker. More attention ranks come from --data-parallel-size or more
@@ -43,6 +47,15 @@ def check_vllm_config(vllm_config) -> None:
 
     afd = vllm_config.afd_config
     pc = vllm_config.parallel_config
+    if vllm_config.model_config is not None:
+        from vllm.afd.model.families import check_model
+
+        check_model(vllm_config.model_config, afd.gate_on, afd.role)
+    if vllm_config.speculative_config is not None:
+        raise AFDConfigError(
+            f"speculative decoding (--speculative-config) cannot be combined with AFD "
+            f"(--afd-role {afd.role}): the draft model's layers would be split too. "
+            f"Remove --speculative-config.")
     if pc.enable_dbo or pc.ubatch_size > 1:
         option = "--enable-dbo" if pc.enable_dbo else f"ubatch_size={pc.ubatch_size}"
         raise AFDConfigError(

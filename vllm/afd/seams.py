@@ -111,7 +111,8 @@ def filter_weights(model, weights):
     return filter_(model, weights)
 
 
-def begin_mlp(vllm_config):
+def begin_mlp(vllm_config=None):
+    """None: the config being built (layers that are not handed it)."""
     from vllm.afd.model.split import begin_mlp as begin
 
     return begin(vllm_config)

@@ -66,6 +66,17 @@ def get_or_create_link(vllm_config) -> AttentionLink:
         return _link
 
 
+def close_link() -> None:
+    """Close and forget this process's link: an engine started after this one
+    in the same process (tools/oracle.py --matrix) links anew."""
+    global _link
+    with _link_lock:
+        link, _link = _link, None
+    if link is not None:
+        link.close()
+        atexit.unregister(link.close)
+
+
 def get_link() -> AttentionLink:
     if _link is None:
         raise RuntimeError("AFD: no attention link in this process (model not built "

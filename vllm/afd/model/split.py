@@ -2,7 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """Role-aware model construction and weight filtering.
 
-A decoder layer shaped `self_attn` + `mlp` is split between the roles:
+A decoder layer shaped `self_attn` + one FFN module is split between the roles
+(the module is `mlp`, `block_sparse_moe` or `feed_forward`: families.FFN_ATTRS;
+"mlp" below stands for any of them):
 - attention role: everything but each layer's `mlp`, which is built on the meta
   device (no memory) and replaced by a RemoteFFN that calls the FFN server;
 - FFN role: only each layer's `mlp` (gate, routed and shared experts, or the
@@ -33,15 +35,17 @@ import torch
 from torch import nn
 
 from vllm.afd.config import AFDConfig
+from vllm.afd.model.families import FFN_ATTRS
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
+_ATTRS = "|".join(FFN_ATTRS)
 # Checkpoint and module names of the parts the FFN role owns.
-_MLP_NAME = re.compile(r"(^|\.)layers\.(\d+)\.mlp(\.|$)")
+_MLP_NAME = re.compile(rf"(^|\.)layers\.(\d+)\.({_ATTRS})(\.|$)")
 # The MoE router gate, which the attention role also owns with gate_on "attention"
 # (dense layers' gate_proj / gate_up_proj do not match).
-_GATE_NAME = re.compile(r"(^|\.)layers\.\d+\.mlp\.gate\.")
+_GATE_NAME = re.compile(rf"(^|\.)layers\.\d+\.({_ATTRS})\.gate\.")
 
 
 class _MLPScope:
@@ -62,7 +66,13 @@ def afd_config_of(vllm_config) -> AFDConfig | None:
     return getattr(vllm_config, "afd_config", None)
 
 
-def begin_mlp(vllm_config) -> _MLPScope:
+def begin_mlp(vllm_config=None) -> _MLPScope:
+    """vllm_config None: the one being built (set_current_vllm_config around the
+    model's construction), for decoder layers that are not handed it."""
+    if vllm_config is None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()
     afd = afd_config_of(vllm_config)
     if afd is None:
         return _MLPScope(None)
@@ -70,6 +80,12 @@ def begin_mlp(vllm_config) -> _MLPScope:
         return _MLPScope("meta")
     # FFN role: the model is being built on meta (build_model); the mlp is real.
     return _MLPScope(vllm_config.device_config.device)
+
+
+def _is_ffn_module(name: str) -> bool:
+    """name is a decoder layer's FFN module itself (not one inside it)."""
+    m = _MLP_NAME.search(name)
+    return m is not None and m.end() == len(name)
 
 
 def _layer_index(prefix: str) -> int:
@@ -157,7 +173,7 @@ def _swap_in_remote_ffn(model: nn.Module, vllm_config) -> None:
     gate_on_attention = vllm_config.afd_config.gate_on == "attention"
     swapped = []
     for name, module in list(model.named_modules()):
-        if name.endswith(".mlp") and _MLP_NAME.search(name):
+        if _is_ffn_module(name):
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name)
             gate = router = None
@@ -174,8 +190,7 @@ def _swap_in_remote_ffn(model: nn.Module, vllm_config) -> None:
 
 
 def _strip_to_ffn(model: nn.Module, vllm_config) -> None:
-    kept = [n for n, _ in model.named_modules()
-            if n.endswith(".mlp") and _MLP_NAME.search(n)]
+    kept = [n for n, _ in model.named_modules() if _is_ffn_module(n)]
     if not kept:
         raise ValueError(
             f"AFD: {type(model).__name__} has no decoder layers shaped self_attn + mlp "
@@ -201,7 +216,7 @@ def _check_no_meta(model: nn.Module, role: str) -> None:
     if meta:
         raise RuntimeError(
             f"AFD {role} role: these tensors were never materialized (the model does "
-            f"not mark its mlp construction with model_split.begin_mlp/end_mlp?): "
+            f"not mark its FFN construction with afd_seams.begin_mlp()/afd_scope.close()?): "
             f"{meta[:8]}")
 
 
@@ -209,7 +224,6 @@ def ffn_layers(model: nn.Module) -> dict[int, nn.Module]:
     """The mlp of every decoder layer the FFN role serves, by layer index."""
     out = {}
     for name, module in model.named_modules():
-        if name.endswith(".mlp") and _MLP_NAME.search(name) and not isinstance(
-                module, MissingForRole):
+        if _is_ffn_module(name) and not isinstance(module, MissingForRole):
             out[_layer_index(name)] = module
     return dict(sorted(out.items()))

@@ -1,0 +1,202 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""Every supported model family through AFD, token for token (the model matrix).
+
+For each family's tiny checkpoint (tools/make_tiny_models.py): tools/oracle.py
+runs plain vLLM and then AFD with both roles in the same process (loopback:
+the FFN engine built from the same checkpoint, only its FFN modules), and the
+greedy tokens must be identical and logprobs within 1e-5. One process start
+serves every family's runs (tools/oracle.py --matrix), so a family costs
+about 10 s beyond the first. One family per FFN
+group (MoE, dense) also runs against a real `vllm serve --afd-role ffn`
+process over shm (test_served_family_matches_plain). Qwen3-MoE and DeepSeek are
+test_oracle.py's.
+
+And what is refused: an architecture AFD does not split, gate_on "attention"
+where the router cannot move, speculative decoding, each at config time
+naming the model and the reason; and the patch marks the FFN construction of
+every family families.py lists (a family without its marks would run its
+FFN on both roles).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from servers import cpu, free_port
+from test_oracle import (
+    LOGPROB_TOL, assert_micro_batched, assert_same, ffn_server, ffn_stats, run_oracle)
+
+from vllm.afd.model.families import (
+    FFN_ATTRS, REFUSED, SUPPORTED, UnsupportedModelError, check_model)
+
+REPO = Path(__file__).resolve().parents[2]
+ORACLE = REPO / "tools" / "oracle.py"
+
+# checkpoint (tools/make_tiny_models.py) -> its architecture
+MATRIX = {
+    "tiny-mixtral": "MixtralForCausalLM",
+    "tiny-qwen2-moe": "Qwen2MoeForCausalLM",
+    "tiny-glm4-moe": "Glm4MoeForCausalLM",
+    "tiny-gpt-oss": "GptOssForCausalLM",
+    "tiny-llama4": "Llama4ForCausalLM",
+    "tiny-llama": "LlamaForCausalLM",
+    "tiny-qwen3": "Qwen3ForCausalLM",
+    "tiny-qwen2": "Qwen2ForCausalLM",
+}
+# Covered by test_oracle.py with their own checkpoints.
+ELSEWHERE = {"Qwen3MoeForCausalLM": "tiny-qwen3-moe", "DeepseekV2ForCausalLM": "tiny-deepseek-v2",
+             "DeepseekV3ForCausalLM": "tiny-deepseek-v3"}
+TIMINGS: dict[str, float] = {}
+
+
+def test_every_supported_family_has_a_checkpoint_in_the_matrix():
+    covered = set(MATRIX.values()) | set(ELSEWHERE)
+    assert covered == set(SUPPORTED), set(SUPPORTED) ^ covered
+
+
+def _upstream_module(arch: str) -> Path:
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    module, _ = _VLLM_MODELS[arch]
+    return REPO / "vllm" / "model_executor" / "models" / f"{module}.py"
+
+
+@pytest.mark.parametrize("arch", sorted(SUPPORTED))
+def test_the_patch_marks_the_ffn_construction(arch):
+    """Between begin_mlp() and close() the decoder layer builds exactly its
+    FFN attribute, on every branch (MoE and dense)."""
+    family = SUPPORTED[arch]
+    source = _upstream_module(arch).read_text()
+    scopes = re.findall(r"afd_scope = afd_seams\.begin_mlp\((?:vllm_config)?\)\n(.*?)"
+                        r"\n\s*afd_scope\.close\(\)", source, re.S)
+    assert scopes, f"{arch}: no begin_mlp()/close() in {_upstream_module(arch).name}"
+    for body in scopes:
+        built = set(re.findall(r"self\.(\w+) = ", body))
+        assert built == {family.ffn_attr}, (arch, built)
+    assert family.ffn_attr in FFN_ATTRS
+
+
+def _model_config(*archs: str):
+    return SimpleNamespace(architectures=list(archs), model="/models/x")
+
+
+@pytest.mark.parametrize("arch", ["OlmoeForCausalLM", *sorted(REFUSED)])
+def test_unsupported_architecture_is_refused_with_the_reason(arch):
+    with pytest.raises(UnsupportedModelError) as e:
+        check_model(_model_config(arch), "ffn", "attention")
+    text = str(e.value)
+    assert "'/models/x'" in text and arch in text and "cannot be split" in text
+    assert (REFUSED[arch] if arch in REFUSED else "do not mark their FFN construction") in text
+    assert "MixtralForCausalLM" in text  # the supported list
+
+
+def test_supported_family_passes_and_dense_ignores_gate_on():
+    assert check_model(_model_config("MixtralForCausalLM"), "attention", "ffn").moe
+    assert not check_model(_model_config("LlamaForCausalLM"), "attention", "ffn").moe
+
+
+@pytest.mark.parametrize("arch", [a for a, f in sorted(SUPPORTED.items())
+                                  if f.gate_on_attention_refusal])
+def test_gate_on_attention_refused_where_the_router_cannot_move(arch):
+    with pytest.raises(UnsupportedModelError, match="gate_on='attention' is not supported"):
+        check_model(_model_config(arch), "attention", "attention")
+    check_model(_model_config(arch), "ffn", "attention")
+
+
+def _engine_config(models_dir: Path, name: str, *argv: str):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--model", str(models_dir / name), *argv]))
+    return args.create_engine_config()
+
+
+def test_refusals_come_from_the_real_config(models_dir):
+    """Through EngineArgs, as `vllm serve` builds it: gate_on attention on
+    gpt-oss, and speculative decoding, fail naming the model / option; the
+    same model without AFD, or with gate_on ffn, builds."""
+    # pydantic wraps the error in a ValidationError (a ValueError) with its text.
+    with pytest.raises(ValueError, match=r"tiny-gpt-oss.*GptOssForCausalLM.*gate_on='attention' "
+                                         r"is not supported for gpt-oss"):
+        _engine_config(models_dir, "tiny-gpt-oss", "--afd-role", "attention",
+                       "--afd-config", '{"gate_on": "attention"}')
+    assert _engine_config(models_dir, "tiny-gpt-oss", "--afd-role", "ffn").afd_config.is_ffn
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2,
+                       "prompt_lookup_max": 2})
+    with pytest.raises(ValueError, match="speculative decoding .* cannot be combined with AFD"):
+        _engine_config(models_dir, "tiny-llama", "--afd-role", "attention",
+                       "--speculative-config", spec)
+    assert _engine_config(models_dir, "tiny-llama", "--speculative-config",
+                          spec).speculative_config is not None
+
+
+@pytest.fixture(scope="module")
+def matrix(models_dir, tmp_path_factory) -> Path:
+    """Every family's plain and AFD runs, in one oracle process (one start)."""
+    out = tmp_path_factory.mktemp("matrix")
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(ORACLE), "--matrix", str(out),
+         *[str(models_dir / name) for name in sorted(MATRIX)]],
+        capture_output=True, text=True, timeout=900, cwd=out,
+        env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0)))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    TIMINGS["matrix"] = time.monotonic() - t0
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MATRIX))
+def test_family_matches_plain(models_dir, matrix, name, kernel_paths):
+    """Plain vLLM, then AFD (loopback, both roles in the oracle's process): the
+    same greedy tokens and logprobs on the oracle's 10 prompts (steps mixing
+    prefill and decode), every layer through the link."""
+    model = models_dir / name
+    assert json.loads((model / "config.json").read_text())["architectures"] == [MATRIX[name]]
+    error = matrix / f"{name}.error.txt"
+    assert not error.exists(), error.read_text()[-4000:]
+    plain = json.loads((matrix / f"{name}.plain.json").read_text())
+    afd = json.loads((matrix / f"{name}.afd.json").read_text())
+    assert all(len(r["token_ids"]) == 16 for r in plain["results"] + afd["results"])
+    assert_same(plain, afd, LOGPROB_TOL)
+    assert_micro_batched(afd, model, 1)  # every layer went to the FFN engine
+    # Not a degenerate checkpoint: the prompts get different continuations.
+    assert len({tuple(r["token_ids"]) for r in plain["results"]}) >= 5
+    assert plain["attention_backends"] == afd["attention_backends"]
+    kernel_paths.add(f"{name}: attention {'/'.join(afd['attention_backends'])}, "
+                     f"plain + AFD {afd['wall_s']:.0f}s (matrix of {len(MATRIX)}: "
+                     f"{TIMINGS.get('matrix', 0):.0f}s)")
+
+
+# One per family group against a real FFN server, with 2 micro-batches: MoE
+# (Mixtral: `block_sparse_moe`, its routers on the attention role) and dense
+# (Llama). test_oracle.py serves Qwen3-MoE and DeepSeek-V3.
+SERVED = [("tiny-mixtral", "attention"), ("tiny-llama", "ffn")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, gate_on", SERVED, ids=[n for n, _ in SERVED])
+def test_served_family_matches_plain(models_dir, tmp_path, name, gate_on):
+    model = models_dir / name
+    config = {"connector": "shm", "port": free_port(), "timeout_s": 60, "num_ubatches": 2,
+              "ubatch_policy": "fixed", "gate_on": gate_on}
+    with ffn_server(model, config, tmp_path / "ffn.log") as ffn:
+        plain = run_oracle(model, tmp_path / "plain.json")  # while the FFN server starts
+        ffn.wait_ready()
+        afd = run_oracle(model, tmp_path / "afd.json", {**config, "role": "attention"})
+        served = ffn_stats(ffn)
+    assert_same(plain, afd)
+    assert_micro_batched(afd, model, 2)
+    assert served["steps"] == afd["link_stats"]["steps"] > 0
+    routed = served["routed_calls"]
+    assert (routed > 0) if gate_on == "attention" else routed == 0, served

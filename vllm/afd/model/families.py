@@ -1,0 +1,104 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""The model architectures AFD splits, and why others are refused (adapter).
+
+An architecture is supported when its decoder layer is `self_attn` + one FFN
+module (the sparse MoE block, or a dense MLP) that is called as
+`hidden_states = ffn(hidden_states)`, and the upstream code that builds that
+module is marked with `afd_seams.begin_mlp()` ... `afd_scope.close()`
+(patches/feat_models_mark_mlp_construction.patch). The module's attribute is
+one of FFN_ATTRS; checkpoint and module names of the FFN are
+`...layers.N.<attr>.*` (model/split.py).
+
+check_model() runs when the VllmConfig is built (compat.check_vllm_config), so
+an unsupported model fails at start-up with its name and the reason, on both
+roles, before any weight is read.
+
+Adding a model: mark its FFN construction in the patch, add a Family here, a
+tiny checkpoint to tools/make_tiny_models.py and a row to the oracle matrix
+(tests/afd/test_families.py); README "Supported models" lists them.
+"""
+
+from dataclasses import dataclass
+
+# Attribute names decoder layers give their FFN module, across the families.
+FFN_ATTRS = ("mlp", "block_sparse_moe", "feed_forward")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # for people: the README table and errors
+    ffn_attr: str
+    moe: bool
+    # gate_on "attention" needs the router linear at `<ffn_attr>.gate` and vLLM's
+    # FusedMoE router object (model/routing.py); None: supported, else why not.
+    gate_on_attention_refusal: str | None = None
+
+
+_DENSE_ROUTING = None  # dense models have no router: gate_on has nothing to move
+
+SUPPORTED: dict[str, Family] = {
+    "Qwen3MoeForCausalLM": Family("Qwen3-MoE", "mlp", True),
+    "DeepseekV2ForCausalLM": Family("DeepSeek-V2", "mlp", True),
+    "DeepseekV3ForCausalLM": Family("DeepSeek-V3", "mlp", True),
+    "MixtralForCausalLM": Family("Mixtral", "block_sparse_moe", True),
+    "Qwen2MoeForCausalLM": Family("Qwen2-MoE", "mlp", True),
+    "Glm4MoeForCausalLM": Family("GLM-4.5/4.6 MoE", "mlp", True),
+    "GptOssForCausalLM": Family(
+        "gpt-oss", "mlp", True,
+        "gpt-oss's router is `mlp.router` with a bias, computed inside its MLPBlock"),
+    "Llama4ForCausalLM": Family(
+        "Llama 4 (text)", "feed_forward", True,
+        "Llama 4's router is `feed_forward.router`, applied to the input before the experts"),
+    "LlamaForCausalLM": Family("Llama (dense)", "mlp", False, _DENSE_ROUTING),
+    "Qwen3ForCausalLM": Family("Qwen3 (dense)", "mlp", False, _DENSE_ROUTING),
+    "Qwen2ForCausalLM": Family("Qwen2 / Qwen2.5 (dense)", "mlp", False, _DENSE_ROUTING),
+}
+
+# Architectures people ask for that AFD refuses, and why (others: not opted in).
+REFUSED: dict[str, str] = {
+    "Llama4ForConditionalGeneration": (
+        "the multimodal Llama 4 model also has a vision encoder whose layers AFD does not "
+        "split; serve the text model (--hf-overrides "
+        "'{\"architectures\": [\"Llama4ForCausalLM\"]}' with a text-only checkpoint)"),
+    "DbrxForCausalLM": (
+        "its blocks keep the FFN inside `norm_attn_norm`/`ffn` under transformer.blocks, not "
+        "a decoder layer's self_attn + mlp"),
+    "MiniCPMForCausalLM": (
+        "its MoE layer places its experts on the device itself, outside the construction "
+        "scope AFD marks"),
+    "GraniteMoeSharedForCausalLM": "its decoder layer has two FFN modules (MoE and shared MLP)",
+    "JambaForCausalLM": "hybrid Mamba layers: not a self_attn + mlp decoder",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot run with AFD; the message names it and says why."""
+
+
+def family_of(architectures) -> Family | None:
+    for arch in architectures or []:
+        if arch in SUPPORTED:
+            return SUPPORTED[arch]
+    return None
+
+
+def check_model(model_config, gate_on: str, role: str) -> Family:
+    """The Family of model_config's architecture, or UnsupportedModelError."""
+    archs = list(getattr(model_config, "architectures", None) or [])
+    model = getattr(model_config, "model", "?")
+    family = family_of(archs)
+    where = f"--afd-role {role}: model {model!r} ({', '.join(archs) or 'no architecture'})"
+    if family is None:
+        reasons = [REFUSED[a] for a in archs if a in REFUSED]
+        why = reasons[0] if reasons else (
+            "its decoder layers do not mark their FFN construction for AFD "
+            "(vllm/afd/model/families.py lists the supported architectures and how to add one)")
+        raise UnsupportedModelError(
+            f"{where} cannot be split between attention and FFN servers: {why}. "
+            f"Supported: {', '.join(sorted(SUPPORTED))}")
+    if gate_on == "attention" and family.gate_on_attention_refusal:
+        raise UnsupportedModelError(
+            f"{where}: AFDConfig.gate_on='attention' is not supported for {family.name}: "
+            f"{family.gate_on_attention_refusal}. Use gate_on 'ffn' (the default).")
+    return family
