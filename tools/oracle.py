@@ -116,6 +116,7 @@ def run_matrix(args) -> int:
 
     out = Path(args.matrix)
     out.mkdir(parents=True, exist_ok=True)
+    inspect_in_parallel(args.model)
     for model in args.model:
         name = Path(model).name
         # loopback binds nothing; the port is only validated.
@@ -133,6 +134,25 @@ def run_matrix(args) -> int:
             (out / f"{name}.error.txt").write_text(traceback.format_exc())
             release_engine()
     return 0
+
+
+def inspect_in_parallel(models: list[str]) -> None:
+    """vLLM inspects each architecture's class once, in a subprocess of its own
+    (then caches it under VLLM_CACHE_ROOT): start them all at once instead of
+    one per engine start (a cold cache costs ~8 s per architecture here). Only
+    a speed-up: on any error the engines inspect as usual."""
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    try:
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        archs = {a for m in models
+                 for a in json.loads((Path(m) / "config.json").read_text())["architectures"]}
+        with ThreadPoolExecutor(len(archs)) as pool:
+            list(pool.map(ModelRegistry._try_inspect_model_cls, sorted(archs)))
+    except Exception as e:  # noqa: BLE001
+        print(f"oracle: parallel inspection skipped: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def release_engine() -> None:

@@ -98,6 +98,13 @@ def test_unsupported_architecture_is_refused_with_the_reason(arch):
     assert "MixtralForCausalLM" in text  # the supported list
 
 
+def test_transformers_backend_is_refused():
+    config = SimpleNamespace(architectures=["LlamaForCausalLM"], model="/models/x",
+                             model_impl="transformers")
+    with pytest.raises(UnsupportedModelError, match="--model-impl transformers"):
+        check_model(config, "ffn", "ffn")
+
+
 def test_supported_family_passes_and_dense_ignores_gate_on():
     assert check_model(_model_config("MixtralForCausalLM"), "attention", "ffn").moe
     assert not check_model(_model_config("LlamaForCausalLM"), "attention", "ffn").moe

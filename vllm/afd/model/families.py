@@ -97,6 +97,12 @@ def check_model(model_config, gate_on: str, role: str) -> Family:
         raise UnsupportedModelError(
             f"{where} cannot be split between attention and FFN servers: {why}. "
             f"Supported: {', '.join(sorted(SUPPORTED))}")
+    impl = getattr(model_config, "model_impl", "auto")
+    impl = getattr(impl, "value", impl)
+    if impl not in ("auto", "vllm"):
+        raise UnsupportedModelError(
+            f"{where} cannot be split with --model-impl {impl}: AFD marks the FFN "
+            f"construction of vLLM's own model classes only. Use --model-impl vllm (or auto).")
     if gate_on == "attention" and family.gate_on_attention_refusal:
         raise UnsupportedModelError(
             f"{where}: AFDConfig.gate_on='attention' is not supported for {family.name}: "
