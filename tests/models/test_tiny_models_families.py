@@ -8,13 +8,13 @@ Offline and CPU-only; a few seconds. Generation with vLLM is covered for the
 original three models by test_tiny_models.py.
 """
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+import make_tiny_models as gen  # tools/ is on sys.path (tests/conftest.py)
+
 
 # name -> (transformers config class, model_type, FFN attribute of the layers)
 FAMILIES = {
@@ -29,20 +29,10 @@ FAMILIES = {
 }
 
 
-def _load_generator():
-    spec = importlib.util.spec_from_file_location(
-        "make_tiny_models", REPO / "tools" / "make_tiny_models.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gen = _load_generator()
-
-
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    return gen.make_models(tmp_path_factory.mktemp("fam"), list(FAMILIES), seed=0)
+def models(models_dir) -> dict[str, Path]:
+    """The session's checkpoints (tests/conftest.py builds every tiny model)."""
+    return {name: models_dir / name for name in FAMILIES}
 
 
 def test_families_are_tiny():

@@ -30,12 +30,11 @@ class Family:
     name: str  # for people: the README table and errors
     ffn_attr: str
     moe: bool
+    # Dense families have no router: gate_on has nothing to move there.
     # gate_on "attention" needs the router linear at `<ffn_attr>.gate` and vLLM's
     # FusedMoE router object (model/routing.py); None: supported, else why not.
     gate_on_attention_refusal: str | None = None
 
-
-_DENSE_ROUTING = None  # dense models have no router: gate_on has nothing to move
 
 SUPPORTED: dict[str, Family] = {
     "Qwen3MoeForCausalLM": Family("Qwen3-MoE", "mlp", True),
@@ -50,9 +49,9 @@ SUPPORTED: dict[str, Family] = {
     "Llama4ForCausalLM": Family(
         "Llama 4 (text)", "feed_forward", True,
         "Llama 4's router is `feed_forward.router`, applied to the input before the experts"),
-    "LlamaForCausalLM": Family("Llama (dense)", "mlp", False, _DENSE_ROUTING),
-    "Qwen3ForCausalLM": Family("Qwen3 (dense)", "mlp", False, _DENSE_ROUTING),
-    "Qwen2ForCausalLM": Family("Qwen2 / Qwen2.5 (dense)", "mlp", False, _DENSE_ROUTING),
+    "LlamaForCausalLM": Family("Llama (dense)", "mlp", False),
+    "Qwen3ForCausalLM": Family("Qwen3 (dense)", "mlp", False),
+    "Qwen2ForCausalLM": Family("Qwen2 / Qwen2.5 (dense)", "mlp", False),
 }
 
 # Architectures people ask for that AFD refuses, and why (others: not opted in).
