@@ -24,8 +24,12 @@ CUDA_WHEEL_STAMP := build/.cuda-wheel
 demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
 
+# Two xdist workers, a test module at a time (most tests wait on servers and
+# engines: one process kept about one of the two cores busy), slow modules first
+# (tests/conftest.py); then the `solo` tests, which measure the machine, alone.
 test: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP)
-	$(VENV)/bin/pytest -q --durations=25
+	$(VENV)/bin/pytest -q --durations=25 -n 2 --dist loadfile -m "not solo"; s=$$?; \
+	$(VENV)/bin/pytest -q -m solo; t=$$?; exit $$(( s ? s : t ))
 
 # The cuda flavor's wheel with its CUDA kernels (sm_80, sm_90), compiled here
 # without a GPU by the pinned toolchain (tools/cuda_toolchain.toml), once per

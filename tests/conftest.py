@@ -50,6 +50,16 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--reverse-order"):
         items.reverse()
+        return
+    # `make test` runs the modules in two xdist workers, a module at a time
+    # (--dist loadfile: its fixtures set up once), handed out in this order:
+    # the modules with slow tests (servers, engines: minutes) first, so the
+    # short ones fill in at the end instead of one worker finishing a long
+    # module alone.
+    slow = {item.module.__name__ for item in items
+            if item.get_closest_marker("slow") is not None and hasattr(item, "module")}
+    items.sort(key=lambda item: getattr(item, "module", None) is None
+               or item.module.__name__ not in slow)  # stable: file order otherwise
 
 
 # Which kernels the model tests ran (e.g. the DeepSeek MLA backend), printed

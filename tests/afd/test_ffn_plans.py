@@ -36,10 +36,10 @@ class _Recorder:
         return x * 2 + layer
 
 
-def _pair(max_tokens=8, timeout_s=10.0):
+def _pair(max_tokens=8, timeout_s=10.0, window_s=0.003):
     channel = QueueChannel()
     lead_mlp, follower_mlp = _Recorder(), _Recorder()
-    lead = LayerBatcher(lead_mlp, max_tokens=max_tokens, window_s=0.003, role="lead",
+    lead = LayerBatcher(lead_mlp, max_tokens=max_tokens, window_s=window_s, role="lead",
                         plans=channel, timeout_s=timeout_s)
     follower = LayerBatcher(follower_mlp, max_tokens=max_tokens, role="follower",
                             plans=channel.end(), timeout_s=timeout_s)
@@ -57,17 +57,24 @@ def test_follower_makes_the_leads_mlp_calls_in_its_order():
     some split by max_tokens, some alone (the lead's window ran out); the
     follower's mlp calls are the lead's, call for call, and every peer gets
     its own rows' output on both."""
-    lead, follower, lead_mlp, follower_mlp = _pair()
+    # The first step starts in lockstep on each side (as vLLM's data-parallel
+    # ranks do) and the lead waits up to 50 ms for the others, so some calls
+    # are joined however slowly a loaded machine runs the threads (with 3 ms
+    # and no lockstep, once none of 54 were).
+    lead, follower, lead_mlp, follower_mlp = _pair(window_s=0.05)
     steps, layers, peers = 6, 3, (0, 1, 2)
     sizes = {p: [random.Random(p * 100 + s).randint(1, 6) for s in range(steps)]
              for p in peers}
     errors = []
+    lockstep = {id(b): threading.Barrier(len(peers)) for b in (lead, follower)}
 
     def session(batcher, peer, seed):
         rnd = random.Random(seed)
         try:
             for step in range(steps):
                 batcher.begin(peer)
+                if step == 0:
+                    lockstep[id(batcher)].wait(30)
                 for layer in range(layers):
                     time.sleep(rnd.random() * 0.004)
                     h = _rows(peer, step, layer, sizes[peer][step])
