@@ -86,10 +86,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-auto", dest="auto", action="store_false",
                     help="skip the AFD run under ubatch_policy 'auto' (the rule choosing m "
                          f"per step, up to {FFN_UBATCHES})")
-    ap.add_argument("--spin-us", type=int, default=5000,
+    ap.add_argument("--spin-us", type=int, default=50000,
                     help="shm only: connector_extra_config spin_us on both roles (how long "
                          "a waiting side spins before it sleeps; each role has a core of its "
-                         "own here; default: %(default)s, 0: the connector's default)")
+                         "own here, and a wait spans the other side's compute of a layer, "
+                         "several ms on this CPU; default: %(default)s, 0: the connector's "
+                         "default)")
     ap.add_argument("--worker", choices=["llm", "floor"], help=argparse.SUPPRESS)
     ap.add_argument("--afd-config", help=argparse.SUPPRESS)
     ap.add_argument("--ffn-url", help=argparse.SUPPRESS)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 HIDDEN = 512  # bf16: 1 KiB per token
 TOKENS = (1, 4, 16, 64, 256, 1024)  # 1 KiB ... 1 MiB per direction
+LAYERS = 50  # layer calls per step, as a model's: the step header is once per step
 ATTENTION_CORE, FFN_CORE = 0, 1
 
 
@@ -76,7 +77,8 @@ def echo_ffn(connector: str, port: int, extra: dict, idle_s: float, report) -> N
             if step.is_goodbye or step.is_shutdown:
                 break
             continue
-        ffn.send_output(0, 0, 0, ffn.recv_hidden(0, 0, 0))
+        for layer in range(LAYERS):
+            ffn.send_output(0, layer, 0, ffn.recv_hidden(0, layer, 0))
     ffn.close()
 
 
@@ -102,14 +104,20 @@ def measure(connector: str, extra: dict, iters: int, idle_s: float) -> dict:
             out = torch.empty_like(h)
             times = []
             for i in range(iters + iters // 10):
-                attn.send_step(StepHeader(step_id=step, num_tokens=[tokens]))
+                layer = i % LAYERS
+                if layer == 0:
+                    attn.send_step(StepHeader(step_id=step, num_tokens=[tokens]))
+                    step += 1
                 t0 = time.perf_counter()
-                attn.send_hidden(0, 0, h)
-                attn.recv_output(0, 0, out=out)
+                attn.send_hidden(layer, 0, h)
+                attn.recv_output(layer, 0, out=out)
                 dt = time.perf_counter() - t0
-                step += 1
-                if i >= iters // 10:
+                # The first call of a step waits while the FFN reads the step header.
+                if i >= iters // 10 and layer:
                     times.append(dt)
+            for layer in range((iters + iters // 10) % LAYERS or LAYERS, LAYERS):
+                attn.send_hidden(layer, 0, h)  # finish the step
+                attn.recv_output(layer, 0, out=out)
             times.sort()
             sizes[str(tokens * HIDDEN * 2)] = {
                 "tokens": tokens, "median_us": statistics.median(times) * 1e6,

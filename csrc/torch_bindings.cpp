@@ -82,9 +82,11 @@ TORCH_LIBRARY(afd, m) {
 }
 
 // `import vllm.afd._C` loads this library (and with it the registrations
-// above); the module itself is empty. Limited API, so one build serves every
-// CPython >= 3.8 (the wheel is tagged abi3, like upstream's _C).
-static struct PyModuleDef afd_module = {PyModuleDef_HEAD_INIT, "_C", nullptr,
-                                        0, nullptr};
+// above); the module holds the shm message lane's functions (csrc/cpu/lane.cpp).
+// Limited API, so one build serves every CPython >= 3.8 (the wheel is tagged
+// abi3, like upstream's _C).
+extern PyMethodDef afd_lane_methods[];
+static struct PyModuleDef afd_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, 0,
+                                        afd_lane_methods};
 
 PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&afd_module); }

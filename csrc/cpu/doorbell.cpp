@@ -16,8 +16,8 @@
 // store. Sleeping on the socket, not a futex, keeps peer death visible: a
 // dead or closed peer is EOF/hang-up on the very descriptor we sleep on.
 //
-// Plain C entry points (ctypes, which releases the GIL around the call), not
-// torch ops: a dispatcher call costs microseconds, these a few hundred ns.
+// Plain C functions, called by the shm message lane (lane.cpp), which keeps
+// the counters and releases the GIL around a wait.
 #include <errno.h>
 #include <poll.h>
 #include <stdint.h>
@@ -150,17 +150,6 @@ int afd_doorbell_ring(uint32_t* word, const uint32_t* sleeping, uint32_t value, 
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
     return n < 0 ? -errno : -EPIPE;
   }
-}
-
-// Store value in *word with release ordering, without waking anyone (the
-// receiver's consumed count, read by the sender only when its ring is full).
-void afd_doorbell_store(uint32_t* word, uint32_t value) {
-  __atomic_store_n(word, value, __ATOMIC_RELEASE);
-}
-
-// A relaxed-enough load for the sender's ring-full check.
-uint32_t afd_doorbell_load(const uint32_t* word) {
-  return __atomic_load_n(word, __ATOMIC_ACQUIRE);
 }
 
 }  // extern "C"

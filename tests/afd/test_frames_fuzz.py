@@ -420,19 +420,20 @@ def header_mutations(message: wire.Message, rng: random.Random, count: int) -> l
 
 class RawRing:
     """A raw peer's end of one direction's shm message ring (doorbell.py): it
-    writes whatever bytes it is given as the next message and rings."""
+    writes whatever bytes it is given as the next message, publishes the new
+    head (x86 stores are ordered) and always sends a wake byte."""
 
     def __init__(self, segment: torch.Tensor, sock: socket.socket) -> None:
-        self.ring = doorbell.Ring(segment[:doorbell.RING_BYTES])
+        self.view = memoryview(segment[:doorbell.RING_BYTES].numpy())
         self.sock, self.seq = sock, 0
 
     def send(self, header: bytes, length: int | None = None) -> None:
-        offset = self.ring.entry(self.seq)
-        struct.pack_into("<I", self.ring.view, offset, len(header) if length is None else length)
-        self.ring.view[offset + 4:offset + 4 + len(header)] = header
+        offset = 256 + (self.seq % doorbell.RING_ENTRIES) * doorbell.ENTRY_BYTES
+        struct.pack_into("<I", self.view, offset, len(header) if length is None else length)
+        self.view[offset + 4:offset + 4 + len(header)] = header
         self.seq += 1
-        doorbell._library().afd_doorbell_ring(self.ring.head, self.ring.sleeping, self.seq,
-                                              self.sock.fileno())
+        struct.pack_into("<I", self.view, 0, self.seq)
+        self.sock.send(b"\x01")
 
 
 def _connected_ffn(kind: str, port: int):

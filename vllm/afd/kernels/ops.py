@@ -11,6 +11,7 @@ and hands the built file to load().
 
 import glob
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 _loaded = False
 _library_path: str | None = None
 _composite_library = None  # keeps the PrivateUse1 registrations alive
+_module = None
 
 
 def load(path: str | None = None) -> None:
@@ -64,10 +66,24 @@ def _installed_library() -> str:
 
 
 def library_path() -> str:
-    """The file of the loaded op library (its plain C entry points, such as
-    the shm doorbell, are called through ctypes)."""
+    """The file of the loaded op library."""
     load()
     return _library_path
+
+
+def module():
+    """The loaded library as a Python module (its plain functions, such as the
+    shm lane's of csrc/cpu/lane.cpp)."""
+    global _module
+    if _module is None:
+        path = library_path()
+        try:
+            _module = importlib.import_module("vllm.afd._C")
+        except ImportError:  # the installed library a source tree falls back on
+            spec = importlib.util.spec_from_file_location("vllm.afd._C", path)
+            _module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(_module)
+    return _module
 
 
 def _register_composites() -> None:

@@ -65,6 +65,7 @@ import torch
 from vllm.afd.transport import doorbell
 from vllm.afd.transport.buffers import HostSlots
 from vllm.afd.transport.connectors.base import AFDConnectionError, LinkClosed
+from vllm.afd.transport.connectors.shm_fast import FastFrames
 from vllm.afd.transport.connectors.tcp import TcpConnector
 from vllm.afd.transport.wire import LayerFrame, ProtocolError
 
@@ -161,7 +162,7 @@ class ShmSegment:
         self._mmap = None
 
 
-class ShmConnector(TcpConnector):
+class ShmConnector(FastFrames, TcpConnector):
     name = "shm"
     stages_through_host = True
     extra_config_keys = frozenset({"notify", "spin_us"})
@@ -187,6 +188,7 @@ class ShmConnector(TcpConnector):
                              f"{spin_us!r}; expected microseconds in 0-1000000 (0: never "
                              f"spin, sleep until woken)")
         self.spin_us = spin_us
+        self._init_fast()  # layer calls in one C call per message end (shm_fast.py)
 
     @property
     def _segment_bytes(self) -> int:
@@ -355,6 +357,7 @@ class ShmConnector(TcpConnector):
 
     def _close_transport(self) -> None:
         super()._close_transport()
+        self._slot_addresses.clear()
         for table in (self._tx, self._rx):  # our views and pins first
             for slots in table.values():
                 slots.close()

@@ -1,0 +1,231 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""The shm connector's fast path for layer calls: one C call per message end.
+
+The protocol API (send_hidden, recv_output on the attention side; recv_hidden,
+send_output on the FFN side) goes through many small Python functions: checks,
+a LayerFrame built and encoded, the slot copy, the ring entry, the doorbell;
+and on receipt the decode, wire.check_frame, the slot's view. Hot, that is
+10-15 us per call; after a layer's compute, on a VM where every page touched
+first costs microseconds, it measured 200-250 us per call (lane.cpp). Here the
+common case takes one call into csrc/cpu/lane.cpp instead:
+
+  sending    the tensor's bytes into the micro-batch's slot, the frame's header
+             (a template per shape, patched with step, layer and micro-batch)
+             into the ring, published: lane_send_frame
+  receiving  wait, compare the entry with the header expected next, consume it,
+             copy the payload into the caller's `out`: lane_recv_frame
+
+Which case is common: CPU tensors (host memory on both ends), exact transfer
+(no fp8), no routing, the caller's own checks passing. Everything else, and
+every surprise, takes the general path of attention_side.py / ffn_side.py,
+unchanged: a message that is not the expected frame (an ErrorFrame, a goodbye,
+a malformed or mismatched frame) is left in the ring for it, so it decodes it
+and raises the error it always did; a wait that ends without the frame (timed
+out after one WAIT_CHUNK_MS chunk, or closed) continues there too, so a late
+answer may wait up to one chunk longer than timeout_s in all.
+
+Why comparing bytes checks the frame: the template is wire.encode of the
+LayerFrame the receiver expects (shape, dtype, nbytes, no routing, exact),
+with fixed-width integers for step (8 bytes), layer and micro-batch (4 each)
+so they can be patched in place; _template() decodes a patched copy with
+wire.decode and compares it with the frame built by wire.layer_frame before
+any is used. A received header equal to the patched template decodes to
+exactly that frame, which passes wire.check_frame by construction; both ends
+of an shm link write and expect the same templates. Headers stay ordinary
+msgpack (msgspec reads non-minimal integers), so the general path reads them.
+
+Mixed into ShmConnector (shm.py) ahead of the protocol classes.
+"""
+
+import time
+
+import torch
+
+from vllm.afd.transport import doorbell, wire
+from vllm.afd.transport.errors import LinkClosed, LinkTimeout
+from vllm.afd.transport.wire import LayerFrame
+
+# Values whose msgpack encodings have a fixed width: uint64 for the step,
+# uint32 for layer and micro-batch. The encoder keeps them, the decoder reads
+# them as the small numbers patched in.
+_STEP_MARK, _LAYER_MARK, _UBATCH_MARK = 1 << 40, 1 << 20, (1 << 20) + 1
+_FIELDS = ((b"\xa7step_id\xcf", 8), (b"\xa8layer_id\xce", 4), (b"\xa9ubatch_id\xce", 4))
+
+
+def frame_template(dtype: torch.dtype, rows: int, hidden: int
+                   ) -> "tuple[bytes, int, int, int, int] | None":
+    """(encoded LayerFrame, step offset, layer offset, micro-batch offset,
+    payload bytes) for an exact frame of [rows, hidden] dtype without routing,
+    or None if its encoding cannot be patched (never for today's wire)."""
+    frame = LayerFrame(step_id=_STEP_MARK, layer_id=_LAYER_MARK, ubatch_id=_UBATCH_MARK,
+                       dtype=wire.dtype_name(dtype), shape=[rows, hidden],
+                       nbytes=wire.frame_nbytes(dtype, [rows, hidden], 0, 0))
+    encoded = wire.encode(frame)
+    offsets = []
+    for key, width in _FIELDS:
+        at = encoded.find(key)
+        if at < 0 or encoded.find(key, at + 1) >= 0:
+            return None
+        offsets.append(at + len(key))
+    # Check: a patched template decodes to the frame layer_frame describes.
+    step, layer, ubatch = 123456789, 7, 1
+    patched = bytearray(encoded)
+    for at, (value, (_, width)) in zip(offsets, ((step, _FIELDS[0]), (layer, _FIELDS[1]),
+                                                 (ubatch, _FIELDS[2]))):
+        patched[at:at + width] = value.to_bytes(width, "big")
+    expected = wire.layer_frame(torch.empty(rows, hidden, dtype=dtype, device="meta"),
+                                step_id=step, layer_id=layer, ubatch_id=ubatch)
+    if len(encoded) > 512 or wire.decode(bytes(patched)) != expected:
+        return None
+    return (encoded, *offsets, frame.nbytes)
+
+
+class FastFrames:
+    """See the module docstring. Needs, from ShmConnector: _links (RingLinks
+    once connected), _tx/_rx (HostSlots), and the protocol state of
+    attention_side.py and ffn_side.py."""
+
+    def _init_fast(self) -> None:
+        # Per direction: rows -> template (or None: this shape goes the general way).
+        self._send_templates: dict[int, tuple | None] = {}
+        self._recv_templates: dict[int, tuple | None] = {}
+        # peer -> slot addresses (send, receive), per micro-batch
+        self._slot_addresses: dict[int, tuple[list[int], list[int]]] = {}
+        self.fast_calls = 0  # layer-call message ends taken by the fast path (tests)
+
+    def _fast_enabled(self) -> bool:
+        """Host memory both ends, exact transfer both ways, no routing."""
+        return (self.device.type == "cpu" and not self.send_scale_group
+                and not self.receive_scale_group and not self.routing_topk)
+
+    def _template(self, table: dict, rows: int):
+        if rows not in table:
+            table[rows] = frame_template(self.dtype, rows, self.hidden_size)
+        return table[rows]
+
+    def _addresses(self, peer: int) -> tuple[list[int], list[int]] | None:
+        addresses = self._slot_addresses.get(peer)
+        if addresses is None:
+            tx, rx = self._tx.get(peer), self._rx.get(peer)
+            if tx is None or rx is None:
+                return None
+            addresses = self._slot_addresses[peer] = (
+                [tx.slot(u).data_ptr() for u in range(tx.count)],
+                [rx.slot(u).data_ptr() for u in range(rx.count)])
+        return addresses
+
+    def _usable(self, peer: int, t: torch.Tensor, rows: int):
+        """The peer's RingLink when the fast path may carry t ([rows, hidden],
+        this dtype, contiguous host memory) over a healthy link; else None."""
+        if self._failure is not None or not self._connected:
+            return None
+        link = self._links.get(peer)
+        if (type(link) is not doorbell.RingLink or t.dtype != self.dtype or not t.is_cpu
+                or t.shape != (rows, self.hidden_size) or not t.is_contiguous()):
+            return None
+        return link
+
+    def _post_frame(self, peer: int, link, template, step_id: int, layer_id: int, u: int,
+                    src: int, dst: int) -> None:
+        """Send the frame (and copy the payload src -> dst), waiting for room in
+        the ring in the rare case there is none."""
+        encoded, step_at, layer_at, ubatch_at, nbytes = template
+        status = link.C.lane_send_frame(link.lane, encoded, step_at, layer_at, ubatch_at,
+                                        step_id, layer_id, u, src, dst, nbytes)
+        if status:
+            what = f"layer {layer_id} ubatch {u} of step {step_id}"
+            try:
+                link.post(lambda: link.C.lane_send_frame(
+                    link.lane, encoded, step_at, layer_at, ubatch_at, step_id, layer_id, u,
+                    src, dst, nbytes), time.monotonic() + self.timeout_s)
+            except (LinkTimeout, LinkClosed) as e:
+                raise self._link_error(e, self.peer_name(peer), what, "send") from None
+        self.bytes_sent += nbytes + link.frame_overhead + len(encoded)
+        self.fast_calls += 1
+
+    def _recv_frame(self, link, template, step_id: int, layer_id: int, u: int, src: int,
+                    dst: int) -> bool:
+        """Wait for the frame and take it (payload src -> dst unless dst is 0);
+        False: it did not come as expected, the general path takes over."""
+        encoded, step_at, layer_at, ubatch_at, nbytes = template
+        status = link.C.lane_recv_frame(link.lane, link.spin_ns, doorbell.WAIT_CHUNK_MS,
+                                        encoded, step_at, layer_at, ubatch_at, step_id,
+                                        layer_id, u, src, dst, nbytes)
+        if status != 1:
+            return False
+        self.bytes_received += nbytes + link.frame_overhead + len(encoded)
+        self.fast_calls += 1
+        return True
+
+    # ------------------------------------------------------- attention side
+    def send_hidden(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
+                    expect_output: bool = True, routing: wire.Routing | None = None) -> None:
+        step = self._step
+        if (routing is None and expect_output and self.is_attention and step is not None
+                and self._fast_enabled() and 0 <= ubatch_id < len(step.num_tokens)
+                and all(u != ubatch_id for _, u, _ in self._in_flight)):
+            rows = step.num_tokens[ubatch_id]
+            link = self._usable(0, h, rows)
+            template = self._template(self._send_templates, rows) if link else None
+            addresses = self._addresses(0) if template else None
+            if addresses is not None:
+                self._post_frame(0, link, template, step.step_id, layer_id, ubatch_id,
+                                 h.data_ptr(), addresses[0][ubatch_id])
+                self._in_flight.append((layer_id, ubatch_id, [rows, self.hidden_size]))
+                return
+        super().send_hidden(layer_id, ubatch_id, h, expect_output, routing)
+
+    def recv_output(self, layer_id: int, ubatch_id: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        step, in_flight = self._step, self._in_flight
+        if (out is not None and in_flight and self.is_attention and step is not None
+                and in_flight[0][0] == layer_id and in_flight[0][1] == ubatch_id
+                and self._fast_enabled()):
+            rows = in_flight[0][2][0]
+            link = self._usable(0, out, rows)
+            template = self._template(self._recv_templates, rows) if link else None
+            addresses = self._addresses(0) if template else None
+            if addresses is not None and self._recv_frame(
+                    link, template, step.step_id, layer_id, ubatch_id,
+                    addresses[1][ubatch_id], out.data_ptr()):
+                in_flight.popleft()
+                return out
+        return super().recv_output(layer_id, ubatch_id, out)
+
+    # ------------------------------------------------------------- FFN side
+    def recv_hidden(self, peer: int, layer_id: int, ubatch_id: int, *,
+                    defer: bool = False) -> torch.Tensor:
+        step = self._peer_steps.get(peer)
+        if (step is not None and not self.is_attention and self._fast_enabled()
+                and 0 <= ubatch_id < len(step.num_tokens) and self._failure is None
+                and self._connected):
+            rows = step.num_tokens[ubatch_id]
+            link = self._links.get(peer)
+            template = (self._template(self._recv_templates, rows)
+                        if type(link) is doorbell.RingLink else None)
+            addresses = self._addresses(peer) if template else None
+            if addresses is not None and self._recv_frame(
+                    link, template, step.step_id, layer_id, ubatch_id, 0, 0):
+                shape = [rows, self.hidden_size]
+                self._awaiting[(peer, ubatch_id)] = (layer_id, shape)
+                self._routings[(peer, ubatch_id)] = None
+                return self._rx[peer].read(ubatch_id, self.dtype, shape)
+        return super().recv_hidden(peer, layer_id, ubatch_id, defer=defer)
+
+    def send_output(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> None:
+        awaited = self._awaiting.get((peer, ubatch_id))
+        if (awaited is not None and awaited[0] == layer_id and not self.is_attention
+                and self._fast_enabled()):
+            rows = awaited[1][0]
+            link = self._usable(peer, out, rows)
+            template = self._template(self._send_templates, rows) if link else None
+            addresses = self._addresses(peer) if template else None
+            if addresses is not None:
+                step = self._peer_steps[peer]
+                self._post_frame(peer, link, template, step.step_id, layer_id, ubatch_id,
+                                 out.data_ptr(), addresses[0][ubatch_id])
+                del self._awaiting[(peer, ubatch_id)]
+                self._routings.pop((peer, ubatch_id), None)
+                return
+        super().send_output(peer, layer_id, ubatch_id, out)
