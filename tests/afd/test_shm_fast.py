@@ -7,6 +7,7 @@ Real connectors, two threads of one process; the latency itself is measured
 by `make bench-link` and `make bench`, not here."""
 
 import random
+import time
 
 import pytest
 import torch
@@ -183,3 +184,36 @@ def test_spinning_stops_only_when_spins_are_preempted_often():
     assert C.lane_counters(lane)[3] == 1
     # Spinning is back a second later.
     assert C.lane_preempted(lane, t + 2 * s // 10 + int(doorbell.SPIN_BACKOFF_S * s) + 1)
+
+
+def test_an_answer_later_than_the_fast_wait_arrives_through_the_general_path():
+    """The FFN answers 0.3 s late: the fast receive gives up after
+    FAST_WAIT_MS and the general path waits on (its own timeout_s), receives
+    the frame and checks it; and a peer that never answers times out after
+    timeout_s plus at most that short wait."""
+    ffn, attn = pair(timeout_s=2)
+    try:
+        attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
+        ffn.recv_step(0)
+        h = torch.randn(2, HIDDEN)
+        attn.send_hidden(0, 0, h)
+
+        def late():
+            x = ffn.recv_hidden(0, 0, 0)
+            time.sleep(0.3)
+            ffn.send_output(0, 0, 0, x * 2)
+
+        server = Background(late)
+        out = torch.empty(2, HIDDEN)
+        assert attn.recv_output(0, 0, out=out) is out and torch.equal(out, h * 2)
+        server.join_result()
+        assert attn.fast_calls == 1  # the send; the receive went the general way
+        attn.send_hidden(1, 0, h)
+        ffn.recv_hidden(0, 1, 0)  # and never answers
+        t0 = time.monotonic()
+        with pytest.raises(AFDConnectionError, match="timed out after 2s"):
+            attn.recv_output(1, 0, out=out)
+        assert 2 <= time.monotonic() - t0 < 2 + doorbell.FAST_WAIT_MS / 1000 + 0.5
+    finally:
+        attn.close()
+        ffn.close()

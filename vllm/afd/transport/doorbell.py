@@ -86,6 +86,7 @@ SPIN_BACKOFF_S = 1.0  # no spinning for this long once spins are preempted often
 BACKOFF_PREEMPTIONS = 3  # preempted spins within PREEMPTION_WINDOW_S that mean "often"
 PREEMPTION_WINDOW_S = 1.0
 WAIT_CHUNK_MS = 1000  # how often a sleeping waiter checks its deadline and logs
+FAST_WAIT_MS = 50  # a fast receive's wait (connectors/shm_fast.py), or the spin where longer
 RING_FULL = 1  # lane_send's answer when the peer has RING_ENTRIES messages unread
 
 
@@ -123,6 +124,9 @@ class RingLink(SocketLink):
         self.send_ring, self.recv_ring = send_ring, recv_ring
         self.spin_ns = int(spin_us * 1000)
         self.idle_spin_ns = min(self.spin_ns, IDLE_SPIN_US * 1000)
+        # How long a fast receive (connectors/shm_fast.py) waits before the general path
+        # takes over.
+        self.fast_wait_ms = max(FAST_WAIT_MS, -(-self.spin_ns // 1_000_000))
         self._fd = link.sock.fileno()
         self.C = lane_module()
         # Both rings start empty: head == tail == 0 in fresh memory.

@@ -21,9 +21,11 @@ Which case is common: CPU tensors (host memory on both ends), exact transfer
 every surprise, takes the general path of attention_side.py / ffn_side.py,
 unchanged: a message that is not the expected frame (an ErrorFrame, a goodbye,
 a malformed or mismatched frame) is left in the ring for it, so it decodes it
-and raises the error it always did; a wait that ends without the frame (timed
-out after one WAIT_CHUNK_MS chunk, or closed) continues there too, so a late
-answer may wait up to one chunk longer than timeout_s in all.
+and raises the error it always did; a wait that ends without the frame (after
+doorbell.FAST_WAIT_MS, or the link's spin where longer, or closed) continues
+there too, with its own timeout_s, logging and error messages: a late answer
+waits at most that much longer in all (an answer later than that pays the
+general path's cost, small next to such a wait).
 
 Why comparing bytes checks the frame: the template is wire.encode of the
 LayerFrame the receiver expects (shape, dtype, nbytes, no routing, exact),
@@ -74,8 +76,10 @@ def frame_template(dtype: torch.dtype, rows: int, hidden: int
     for at, (value, (_, width)) in zip(offsets, ((step, _FIELDS[0]), (layer, _FIELDS[1]),
                                                  (ubatch, _FIELDS[2]))):
         patched[at:at + width] = value.to_bytes(width, "big")
-    expected = wire.layer_frame(torch.empty(rows, hidden, dtype=dtype, device="meta"),
-                                step_id=step, layer_id=layer, ubatch_id=ubatch)
+    # The frame wire.layer_frame makes for such a tensor (built without one: this
+    # may run inside a traced or captured forward, where a tensor would be an op).
+    expected = LayerFrame(step_id=step, layer_id=layer, ubatch_id=ubatch,
+                          dtype=frame.dtype, shape=[rows, hidden], nbytes=frame.nbytes)
     if len(encoded) > 512 or wire.decode(bytes(patched)) != expected:
         return None
     return (encoded, *offsets, frame.nbytes)
@@ -149,7 +153,7 @@ class FastFrames:
         """Wait for the frame and take it (payload src -> dst unless dst is 0);
         False: it did not come as expected, the general path takes over."""
         encoded, step_at, layer_at, ubatch_at, nbytes = template
-        status = link.C.lane_recv_frame(link.lane, link.spin_ns, doorbell.WAIT_CHUNK_MS,
+        status = link.C.lane_recv_frame(link.lane, link.spin_ns, link.fast_wait_ms,
                                         encoded, step_at, layer_at, ubatch_at, step_id,
                                         layer_id, u, src, dst, nbytes)
         if status != 1:
