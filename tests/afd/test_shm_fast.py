@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 from test_connectors import HIDDEN, Background, free_port
-from test_doorbell import pair
+from test_doorbell import echo, pair
 
 from vllm.afd.config import AFDConfig
 from vllm.afd.transport import doorbell, wire
@@ -45,20 +45,6 @@ def test_frame_templates_decode_to_the_frames_they_stand_for(dtype):
                              max_bytes=nbytes, expected_shape=[rows, 7168], dtype=dtype)
 
 
-def serve(ffn, layers: int) -> int:
-    """Serve steps (output = 2 * hidden + layer) until the attention side leaves."""
-    steps = 0
-    while True:
-        step = ffn.recv_step(0)
-        if step.is_goodbye or step.is_shutdown:
-            return steps
-        for layer in range(layers):
-            for u in range(len(step.num_tokens)):
-                h = ffn.recv_hidden(0, layer, u)
-                ffn.send_output(0, layer, u, h * 2 + layer)
-        steps += 1
-
-
 @pytest.mark.parametrize("spin_us", [0, 20_000])
 def test_layer_calls_take_the_fast_path_and_count_what_the_general_path_counts(spin_us):
     """Every layer call's four message ends go through the lane when the
@@ -66,7 +52,7 @@ def test_layer_calls_take_the_fast_path_and_count_what_the_general_path_counts(s
     different sizes included; outputs are exact, and the byte counters add up
     as the general path's do (header, length word, payload)."""
     ffn, attn = pair(ffn_ubatches=2, attention_ubatches=2, spin_us=spin_us)
-    server = Background(serve, ffn, 3)
+    server = Background(echo, ffn, 3)
     g = torch.Generator().manual_seed(0)
     steps = [[3, 5], [15, 1], [1, 1], [7, 9]]
     try:
@@ -138,7 +124,7 @@ def test_what_the_fast_path_cannot_carry_goes_the_general_way():
     accepting = Background(ffn.accept)
     attn.connect()
     accepting.join_result()
-    server = Background(serve, ffn, 1)
+    server = Background(echo, ffn, 1)
     try:
         attn.send_step(StepHeader(step_id=1, num_tokens=[4]))
         h = torch.randn(4, HIDDEN)

@@ -159,7 +159,7 @@ class RingLink(SocketLink):
             status = send()
             if status == 0:
                 return
-            if status < 0:
+            if status != RING_FULL:  # -errno: the wake-up could not be sent
                 raise LinkClosed(f"wake-up to {self.name} failed (errno {-status})")
             if time.monotonic() >= deadline:
                 raise LinkTimeout()

@@ -65,7 +65,7 @@ def frame_template(dtype: torch.dtype, rows: int, hidden: int
                        nbytes=wire.frame_nbytes(dtype, [rows, hidden], 0, 0))
     encoded = wire.encode(frame)
     offsets = []
-    for key, width in _FIELDS:
+    for key, _ in _FIELDS:
         at = encoded.find(key)
         if at < 0 or encoded.find(key, at + 1) >= 0:
             return None
@@ -73,8 +73,7 @@ def frame_template(dtype: torch.dtype, rows: int, hidden: int
     # Check: a patched template decodes to the frame layer_frame describes.
     step, layer, ubatch = 123456789, 7, 1
     patched = bytearray(encoded)
-    for at, (value, (_, width)) in zip(offsets, ((step, _FIELDS[0]), (layer, _FIELDS[1]),
-                                                 (ubatch, _FIELDS[2]))):
+    for at, value, (_, width) in zip(offsets, (step, layer, ubatch), _FIELDS):
         patched[at:at + width] = value.to_bytes(width, "big")
     # The frame wire.layer_frame makes for such a tensor (built without one: this
     # may run inside a traced or captured forward, where a tensor would be an op).
