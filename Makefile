@@ -18,6 +18,7 @@ AFD_SOURCES := $(shell git ls-files vllm/afd csrc patches) setup.py pyproject.to
 	tools/vendor.py tools/series.py tools/upstream.py
 WHEEL_STAMP := build/.installed-$(FLAVOR)
 CUDA_WHEEL_STAMP := build/.cuda-wheel
+MODELINFO_STAMP := build/.modelinfo-$(FLAVOR)
 
 .PHONY: demo test cuda-wheel bench plan-check bench-link bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
 
@@ -27,7 +28,7 @@ demo: $(WHEEL_STAMP) models
 # Two xdist workers, a test module at a time (most tests wait on servers and
 # engines: one process kept about one of the two cores busy), slow modules first
 # (tests/conftest.py); then the `solo` tests, which measure the machine, alone.
-test: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP)
+test: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(MODELINFO_STAMP)
 	$(VENV)/bin/pytest -q --durations=25 -n 2 --dist loadfile -m "not solo"; s=$$?; \
 	$(VENV)/bin/pytest -q -m solo; t=$$?; exit $$(( s ? s : t ))
 
@@ -121,6 +122,12 @@ $(WHEEL_STAMP): $(VENV)/.stamp $(AFD_SOURCES)
 
 models: $(VENV)/.stamp
 	$(PY) tools/make_tiny_models.py --out $(MODELS) --models tiny
+
+# vLLM's model-info cache for the tiny checkpoints' architectures, filled in
+# one process instead of one vLLM import per architecture (tools/warm_model_info.py).
+$(MODELINFO_STAMP): $(WHEEL_STAMP) tools/make_tiny_models.py tools/warm_model_info.py
+	$(PY) tools/warm_model_info.py $(MODELS)
+	touch $@
 
 # Fast loop while developing vllm/afd: test the vendored tree in place (the
 # installed wheel still provides the distribution metadata and requirements).

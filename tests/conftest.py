@@ -26,6 +26,12 @@ for _name in CLEARED_ENV:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO / "build" / "vllm-cache"))
+# Python processes the tests start (`vllm serve`, tools/oracle.py, probes) are
+# forked from a process per test worker that has imported vLLM already
+# (tools/preload.py): importing it costs 8-19 s of CPU per process on the CI
+# VMs, most of the suite's time otherwise. VLLM_AFD_TEST_PRELOAD=0 starts each
+# one fresh.
+os.environ.setdefault("VLLM_AFD_TEST_PRELOAD", "1")
 
 
 def pytest_configure(config):

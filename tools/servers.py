@@ -14,6 +14,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import preload
+
 
 def cpu(i: int) -> str:
     """The i-th CPU this process may run on (wrapping around), for
@@ -131,9 +133,9 @@ class Server:
     def start(self) -> Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=self.env,
-                                     start_new_session=True)
+        self.proc = preload.popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, env=self.env,
+                                  start_new_session=True)
         log.close()
         return self
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import preload
 from servers import cpu
 from test_oracle import assert_same, plain_result, run_oracle
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.slow
 def test_batch_queue_path_survives_a_lost_ffn(models_dir, tmp_path):
     model = models_dir / "tiny-qwen3-moe"
     out = tmp_path / "probe.json"
-    proc = subprocess.run([sys.executable, str(PROBE), str(model), str(out), str(tmp_path),
+    proc = preload.run([sys.executable, str(PROBE), str(model), str(out), str(tmp_path),
                            str(LONG_TOKENS)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path,
                           env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0)))

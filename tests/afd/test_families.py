@@ -30,6 +30,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import preload
 from servers import cpu, free_port
 from test_oracle import (
     LOGPROB_TOL, assert_micro_batched, assert_same, ffn_server, ffn_stats, run_oracle)
@@ -152,7 +153,7 @@ def matrix(models_dir, tmp_path_factory) -> Path:
     """Every family's plain and AFD runs, in one oracle process (one start)."""
     out = tmp_path_factory.mktemp("matrix")
     t0 = time.monotonic()
-    proc = subprocess.run(
+    proc = preload.run(
         [sys.executable, str(ORACLE), "--matrix", str(out),
          *[str(models_dir / name) for name in sorted(MATRIX)]],
         capture_output=True, text=True, timeout=900, cwd=out,

@@ -16,6 +16,7 @@ import textwrap
 from types import SimpleNamespace
 
 import pytest
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -24,6 +25,7 @@ from vllm.afd.ffn.loop import FFNLoop
 from vllm.afd.topology import FFNPlacement
 from vllm.afd.transport.config import LinkConfig
 
+import preload
 from test_connectors import free_port
 
 HIDDEN = 32
@@ -141,7 +143,7 @@ CUDA_CONFIG = textwrap.dedent('''
 def resolve_on_cuda(models_dir, cases: list[tuple[dict | None, dict]]) -> list[dict]:
     """VllmConfig for each (afd_config, compilation_config), in one process
     (importing vLLM dominates)."""
-    proc = subprocess.run([sys.executable, "-c", CUDA_CONFIG, str(models_dir / "tiny-qwen3-moe"),
+    proc = preload.run([sys.executable, "-c", CUDA_CONFIG, str(models_dir / "tiny-qwen3-moe"),
                            json.dumps(cases)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -18,8 +18,11 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
+
 import torch
 from safetensors.torch import load_file, save_file
+
+import preload
 from test_connectors import (FAKE_NCCL, HIDDEN, MAX_TOKENS, Background, dial, free_port,
                              raw_frame, read_message, serve_one_layer)
 from transformers import AutoConfig
@@ -102,7 +105,7 @@ def test_fingerprint_items(deepseek, models_dir):
     fingerprint._digest_files.cache_clear()
     assert fp == fingerprint.model_fingerprint(model_config_of(deepseek))
     assert fingerprint._digest_files.cache_info().misses == 1
-    other = subprocess.run(
+    other = preload.run(
         [sys.executable, "-c", "import json, sys; from vllm.afd.model import fingerprint; "
          "print(json.dumps(fingerprint.weights_digest(sys.argv[1])))", str(deepseek)],
         capture_output=True, text=True, timeout=120)

@@ -26,8 +26,10 @@ from pathlib import Path
 
 import openai
 import pytest
+
 import yaml
 
+import preload
 from servers import cpu, free_port, http_get
 from oracle import engine_cli_args
 from test_oracle import plain_result
@@ -188,7 +190,7 @@ class Launch:
         self.path.write_text(yaml.safe_dump(spec))
         self.lines: list[tuple[float, str]] = []
         self._queue: queue.Queue = queue.Queue()
-        self.proc = subprocess.Popen(
+        self.proc = preload.popen(
             [sys.executable, "-m", "vllm.afd.launch", str(self.path), "--address", address,
              "--log-dir", str(tmp_path / "logs")],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -252,7 +254,7 @@ groups = [g["name"] for g in ray.util.placement_group_table().values()
           if g["state"] != "REMOVED" and g["name"].startswith("vllm-afd/")]
 print(json.dumps({{"actors": alive, "groups": groups}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    out = preload.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -305,7 +307,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(models_dir, tmp_path, ray_he
     spec = base_spec(models_dir, attention={"servers": 2})
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "vllm.afd.launch", str(path), "--address",
+    proc = preload.run([sys.executable, "-m", "vllm.afd.launch", str(path), "--address",
                            ray_head.address, "--dry-run"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import preload
+
 from safetensors import safe_open
 
 PROBE = Path(__file__).with_name("role_params_probe.py")
@@ -23,7 +26,7 @@ def probe(model: Path, role: str, gate_on: str = "ffn") -> dict:
     """What the role constructs; every spec of a model is probed in one process."""
     key = (str(model), role, gate_on if role != "plain" else "")
     if key not in _probes:
-        proc = subprocess.run([sys.executable, str(PROBE), str(model), *SPECS],
+        proc = preload.run([sys.executable, str(PROBE), str(model), *SPECS],
                               capture_output=True, text=True, timeout=600, cwd="/")
         assert proc.returncode == 0, proc.stderr[-4000:]
         lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

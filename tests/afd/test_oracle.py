@@ -20,8 +20,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from safetensors import safe_open
 
+import preload
 from oracle import engine_cli_args
 from servers import Server, cpu, free_port
 
@@ -42,7 +44,7 @@ def run_oracle(model: Path, out: Path, afd_config: dict | None = None,
     if compile_model:
         cmd.append("--compile")
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env,
+    proc = preload.run(cmd, capture_output=True, text=True, timeout=600, env=env,
                           cwd=out.parent)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -194,7 +196,7 @@ def test_deepseek_runs_the_same_mla_kernels_on_an_amx_host(models_dir, tmp_path,
     pins (tools/oracle.py MLA_BACKEND), plain vLLM and AFD run CPU_MLA there
     as on every other CPU, and agree token for token."""
     model = models_dir / "tiny-deepseek-v2"
-    unpinned = subprocess.run(
+    unpinned = preload.run(
         [sys.executable, str(ORACLE), str(model), "--out", str(tmp_path / "x.json"),
          "--num-prompts", "1", "--fake-amx"], capture_output=True, text=True, timeout=600,
         env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0)), cwd=tmp_path)
@@ -266,7 +268,7 @@ def test_fp8_transfer_accuracy(models_dir, tmp_path):
     token within the bounds the README's accuracy section states
     (benchmarks/fp8_accuracy.py BOUNDS), and fp8 really used (it is not
     token-exact everywhere, unlike 'auto', which every other case holds to)."""
-    proc = subprocess.run(
+    proc = preload.run(
         [sys.executable, str(REPO / "benchmarks" / "fp8_accuracy.py"), "--models",
          str(models_dir), "--model", "tiny-qwen3-moe", "--model", "tiny-deepseek-v2",
          "--transfer", "fp8 both ways", "--port", str(free_port()), "--check"],

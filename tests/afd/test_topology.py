@@ -29,8 +29,10 @@ from pathlib import Path
 
 import openai
 import pytest
+
 import torch
 
+import preload
 from servers import Server, cpu, free_port
 from oracle import PROMPTS
 from test_oracle import ORACLE, assert_same, ffn_server, plain_result
@@ -52,7 +54,7 @@ def start_attention_servers(model: Path, tmp_path: Path, configs: list[dict]) ->
                "--afd-config", json.dumps({**cfg, "role": "attention"})]
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0))
         log = open(tmp_path / f"attention-{i}.log", "w")
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+        procs.append((preload.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                        cwd=tmp_path), out, log))
     return procs
 

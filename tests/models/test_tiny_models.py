@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+import preload
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["tiny-qwen3-moe", "tiny-deepseek-v2", "tiny-deepseek-v3"]
 N_TOKENS = 8
@@ -124,7 +126,7 @@ def vllm_outputs(models, tmp_path_factory) -> dict:
         os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CACHE_ROOT=cache)
     paths = json.dumps({k: str(v) for k, v in models.items()})
-    proc = subprocess.run(
+    proc = preload.run(
         [sys.executable, "-c", _CHILD, paths, str(N_TOKENS)],
         cwd=tmp_path_factory.mktemp("cwd"), env=env, capture_output=True,
         text=True, timeout=300)

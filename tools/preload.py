@@ -1,0 +1,374 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""Start Python processes that run vLLM without paying its import each time.
+
+Importing vLLM costs 8-19 s of CPU on the CI VMs (torch, its compiler stack,
+transformers), and the suite starts well over a hundred processes that do it
+(`vllm serve`, tools/oracle.py, probes). A *preloader* is one process per test
+worker that imports vLLM once and then forks a child per request; the child
+puts its argv, environment, working directory, session and standard streams
+in place and runs the command as `python` would (a script, `-m module`, `-c
+code`, or a console script such as `vllm`), so what runs is the same code with
+the same inputs, only started from a warm interpreter. vLLM itself starts its
+engine processes the same way (fork after import) when used as a library.
+
+`popen()` and `run()` mirror subprocess.Popen and subprocess.run. A command
+that is not a Python process of this interpreter, or whose environment differs
+from the preloader's in a variable read while importing (logging set-up,
+threading libraries, PYTHON*, most VLLM_*), gets an ordinary subprocess: the
+fork would not be the same process. Only the test suite uses it, where
+VLLM_AFD_TEST_PRELOAD=1 (tests/conftest.py); elsewhere popen() is Popen.
+
+    python tools/preload.py --serve SOCKET    # the preloader (started by popen)
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+PRELOAD = ("torch", "vllm", "vllm.entrypoints.llm", "vllm.entrypoints.cli.main",
+           "vllm.entrypoints.openai.api_server", "vllm.afd.ffn.engine",
+           "vllm.afd.attention.runner")
+# Variables read while the modules above import (or by libraries they load):
+# a request whose value differs runs as a plain subprocess.
+IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_",
+                        "TORCH", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "VLLM_", "CUDA_",
+                        "MALLOC_", "RAY_")
+# VLLM_* variables vLLM and vllm-afd read when used (vllm.envs is lazy), not at import.
+READ_WHEN_USED = ("VLLM_AFD_TEST_", "VLLM_AFD_TOKEN", "VLLM_AFD_STATUS_DIR", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
+                  "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD",
+                  "VLLM_HOST_IP", "VLLM_PORT", "VLLM_CPU_NUM_OF_RESERVED_CPU")
+
+
+def _import_time_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items()
+            if k.startswith(IMPORT_TIME_PREFIXES) and not k.startswith(READ_WHEN_USED)}
+
+
+# ---------------------------------------------------------------- the preloader
+
+def _run_child(request: dict, fds: list[int], own_fds: list[int],
+               import_effects: dict[str, str]) -> None:
+    """In the forked child: become the requested process, run it, exit."""
+    code, interrupted = 1, False
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if request["new_session"]:
+            os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in {*fds, *own_fds} - {0, 1, 2}:  # the preloader's, not the imports'
+            os.close(fd)
+        os.chdir(request["cwd"])
+        env = dict(request["env"])
+        for key, value in import_effects.items():  # what the imports set, as in a fresh start
+            env.setdefault(key, value)
+        os.environ.clear()
+        os.environ.update(env)
+        args = request["args"]
+        if args[0] == "-m":
+            import runpy
+            sys.argv = [args[1], *args[2:]]  # run_module puts the file name in argv[0]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        elif args[0] == "-c":
+            import types
+            sys.argv = ["-c", *args[2:]]
+            sys.path[0] = ""
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(args[1], "<string>", "exec"), main.__dict__)
+        else:
+            import runpy
+            sys.argv = list(args)
+            sys.path[0] = str(Path(args[0]).resolve().parent)
+            runpy.run_path(args[0], run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        import traceback
+        traceback.print_exc()
+        interrupted = True  # python dies of the signal then (returncode -2)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        code = 1
+    finally:
+        # As an interpreter exits: join non-daemon threads, then atexit hooks.
+        try:
+            threading._shutdown()
+            import atexit as _atexit
+            _atexit._run_exitfuncs()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            if interrupted:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+            os._exit(code)
+
+
+def serve(path: str) -> None:
+    base_env = dict(os.environ)
+    for name in PRELOAD:
+        __import__(name)
+    import_effects = {k: v for k, v in os.environ.items() if base_env.get(k) != v}
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    children: dict[int, socket.socket] = {}
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    parent = os.getppid()
+    print("ready", flush=True)
+    while os.getppid() == parent:
+        for key, _ in selector.select(timeout=1.0):
+            if key.fileobj is listener:
+                conn, _ = listener.accept()
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                request = json.loads(message)
+                sys.stdout.flush()
+                pid = os.fork()
+                if pid == 0:
+                    own = [listener.fileno(), conn.fileno(), wake_r, wake_w,
+                           selector.fileno(),
+                           *(c.fileno() for c in children.values())]
+                    _run_child(request, fds, own, import_effects)
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                children[pid] = conn
+            else:
+                os.read(wake_r, 4096)
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(json.dumps(
+                        {"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                except OSError:
+                    pass
+                conn.close()
+
+
+# ---------------------------------------------------------------- the client side
+
+class ForkedProcess:
+    """What subprocess.Popen offers the tests, for a child of the preloader."""
+
+    def __init__(self, args: list[str], conn: socket.socket, pid: int):
+        self.args = args
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdout = None
+        self._conn = conn
+        self._buffer = b""
+
+    def _read_status(self, timeout: float | None) -> None:
+        self._conn.settimeout(timeout)
+        try:
+            while b"\n" not in self._buffer:
+                chunk = self._conn.recv(4096)
+                if not chunk:  # the preloader died: the child's status is lost
+                    self.returncode = -signal.SIGKILL
+                    return
+                self._buffer += chunk
+        except (TimeoutError, BlockingIOError):
+            return
+        self.returncode = json.loads(self._buffer.split(b"\n", 1)[0])["returncode"]
+        self._conn.close()
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._read_status(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._read_status(timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Preloader:
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="vllm-afd-preload-")
+        self.path = os.path.join(self.dir, "sock")
+        self.env = dict(os.environ)
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", self.path],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     env=self.env)
+        self.ready = False
+        atexit.register(self.close)
+
+    def wait_ready(self) -> bool:
+        if not self.ready:
+            line = self.proc.stdout.readline()
+            self.ready = line.strip() == b"ready"
+        return self.ready
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        try:
+            os.unlink(self.path)
+            os.rmdir(self.dir)
+        except OSError:
+            pass
+
+
+_preloader: _Preloader | None = None
+_lock = threading.Lock()
+
+
+def _python_args(cmd: list[str]) -> list[str] | None:
+    """The interpreter arguments of cmd if it is a Python process of this
+    interpreter the preloader can become, else None."""
+    exe = Path(sys.executable)
+    first = Path(cmd[0])
+    if first == exe:
+        args = cmd[1:]
+        if not args or args[0].startswith("-") and args[0] not in ("-m", "-c"):
+            return None
+        return args
+    if first.parent == exe.parent and first.is_file():  # a console script (`vllm`)
+        head = first.read_bytes()[:200]
+        if head.startswith(b"#!") and b"python" in head.split(b"\n", 1)[0]:
+            return list(cmd)
+    return None
+
+
+def popen(cmd: list[str], *, stdin=None, stdout=None, stderr=None, env=None, cwd=None,
+          start_new_session: bool = False, text: bool = False):
+    """subprocess.Popen(cmd, ...) started by the preloader where it can be (see
+    the module docstring), else by subprocess. stdin/stderr: None, DEVNULL, a
+    file object or an fd (stderr also STDOUT); stdout also PIPE."""
+    global _preloader
+    env = dict(os.environ if env is None else env)
+    args = _python_args([str(c) for c in cmd])
+    plain = dict(stdin=stdin, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
+                 start_new_session=start_new_session, text=text)
+    if args is None or os.environ.get("VLLM_AFD_TEST_PRELOAD") != "1":
+        return subprocess.Popen(cmd, **plain)
+    with _lock:
+        if _preloader is None or _preloader.proc.poll() is not None:
+            _preloader = _Preloader()
+        preloader = _preloader
+    if (_import_time_env(env) != _import_time_env(preloader.env)
+            or not preloader.wait_ready()):
+        return subprocess.Popen(cmd, **plain)
+    opened, pipe = [], None
+
+    def fd_of(stream, default: int) -> int:
+        nonlocal pipe
+        if stream is None:
+            return default
+        if stream == subprocess.DEVNULL:
+            f = open(os.devnull, "r+b")
+            opened.append(f)
+            return f.fileno()
+        if stream == subprocess.PIPE:
+            pipe = os.pipe()
+            return pipe[1]
+        return stream if isinstance(stream, int) else stream.fileno()
+
+    fds = [fd_of(stdin, 0), fd_of(stdout, 1)]
+    fds.append(fds[1] if stderr == subprocess.STDOUT else fd_of(stderr, 2))
+    request = {"args": args, "env": env, "cwd": str(cwd or os.getcwd()),
+               "new_session": start_new_session}
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(preloader.path)
+        socket.send_fds(conn, [json.dumps(request).encode()], fds)
+    finally:
+        for f in opened:
+            f.close()
+        if pipe is not None:
+            os.close(pipe[1])
+    reply = b""
+    while not reply.endswith(b"\n"):
+        chunk = conn.recv(4096)
+        if not chunk:
+            raise RuntimeError("the preloader exited while forking " + " ".join(cmd))
+        reply += chunk
+    proc = ForkedProcess([str(c) for c in cmd], conn, json.loads(reply)["pid"])
+    if pipe is not None:
+        proc.stdout = open(pipe[0], "r" if text else "rb")
+    return proc
+
+
+def run(cmd: list[str], *, capture_output: bool = False, text: bool = False,
+        timeout: float | None = None, env=None, cwd=None, check: bool = False,
+        stdout=None, stderr=None) -> subprocess.CompletedProcess:
+    """subprocess.run for a command popen() can start."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        if capture_output:
+            stdout, stderr = out, err
+        proc = popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=env,
+                     cwd=cwd)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        captured = []
+        for f in (out, err):
+            f.seek(0)
+            data = f.read() if capture_output else None
+            captured.append(data.decode(errors="replace") if text and data is not None
+                            else data)
+    result = subprocess.CompletedProcess(cmd, proc.returncode, *captured)
+    if check:
+        result.check_returncode()
+    return result
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--serve":
+        serve(sys.argv[2])
+    else:
+        sys.exit(__doc__)
