@@ -30,8 +30,11 @@ os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO / "build" / "vllm-cache"))
 # forked from a process per test worker that has imported vLLM already
 # (tools/preload.py): importing it costs 8-19 s of CPU per process on the CI
 # VMs, most of the suite's time otherwise. VLLM_AFD_TEST_PRELOAD=0 starts each
-# one fresh.
+# one fresh. Their engine processes are forked too, not spawned
+# (VLLM_AFD_TEST_FORK_SPAWN=1, tools/preload.py says what that changes); the
+# tests that must see vLLM's real start method set it to 0.
 os.environ.setdefault("VLLM_AFD_TEST_PRELOAD", "1")
+os.environ.setdefault("VLLM_AFD_TEST_FORK_SPAWN", "1")
 
 
 def pytest_configure(config):

@@ -123,8 +123,9 @@ def run_matrix(args) -> int:
         afd_config = json.dumps({"connector": "loopback", "port": 7700, "timeout_s": 60,
                                  "role": "attention"})
         t0 = time.monotonic()
+        runs = (("plain", None),) if args.plain_only else (("plain", None), ("afd", afd_config))
         try:
-            for kind, config in (("plain", None), ("afd", afd_config)):
+            for kind, config in runs:
                 result = run(model, config, False, args.max_tokens, args.num_prompts,
                              args.dtype, attention_backend_for(model), args.prompt)
                 result["wall_s"] = time.monotonic() - t0
@@ -189,6 +190,8 @@ def main() -> int:
                     help="for each model in turn, in this one process: plain vLLM, then AFD "
                          "with both roles here (loopback); writes DIR/NAME.plain.json and "
                          "DIR/NAME.afd.json, or DIR/NAME.error.txt if that model failed")
+    ap.add_argument("--plain-only", action="store_true",
+                    help="with --matrix: plain vLLM only (e.g. stock vLLM, which has no AFD)")
     ap.add_argument("--afd-config", default=None)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--max-tokens", type=int, default=16)

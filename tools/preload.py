@@ -19,6 +19,16 @@ threading libraries, PYTHON*, most VLLM_*), gets an ordinary subprocess: the
 fork would not be the same process. Only the test suite uses it, where
 VLLM_AFD_TEST_PRELOAD=1 (tests/conftest.py); elsewhere popen() is Popen.
 
+With VLLM_AFD_TEST_FORK_SPAWN=1 in its environment, a forked process also
+forks the processes multiprocessing would *spawn* (vLLM's engine core and
+workers: its CPU platform always spawns, and each spawned process imports vLLM
+again) from itself, as multiprocessing's "fork" method does. That one is not
+the same: a forked engine core inherits the server process's state, a spawned
+one rebuilds it from what is pickled to it. Tests that must run vLLM's real
+start method turn it off (their environment: VLLM_AFD_TEST_FORK_SPAWN=0), and
+so do all processes the suite does not start through here (the launcher's
+servers under Ray, the installed wheel's `vllm serve`).
+
     python tools/preload.py --serve SOCKET    # the preloader (started by popen)
 """
 
@@ -34,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 PRELOAD = ("torch", "vllm", "vllm.entrypoints.llm", "vllm.entrypoints.cli.main",
@@ -79,6 +88,14 @@ def _run_child(request: dict, fds: list[int], own_fds: list[int],
             env.setdefault(key, value)
         os.environ.clear()
         os.environ.update(env)
+        if request.get("fork_for_spawn"):
+            # multiprocessing's "spawn" processes (vLLM's engine core and
+            # workers: the CPU platform always spawns) forked from this process
+            # instead of started anew, which would import vLLM again.
+            import multiprocessing.context
+            import multiprocessing.popen_fork
+            multiprocessing.context.SpawnProcess._Popen = staticmethod(
+                multiprocessing.popen_fork.Popen)
         args = request["args"]
         if args[0] == "-m":
             import runpy
@@ -150,7 +167,12 @@ def serve(path: str) -> None:
         for key, _ in selector.select(timeout=1.0):
             if key.fileobj is listener:
                 conn, _ = listener.accept()
-                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+                while not message.endswith(b"\n"):  # a stream: the rest may come later
+                    chunk = conn.recv(1 << 16)
+                    if not chunk:
+                        break
+                    message += chunk
                 request = json.loads(message)
                 sys.stdout.flush()
                 pid = os.fork()
@@ -244,8 +266,10 @@ class _Preloader:
         atexit.register(self.close)
 
     def wait_ready(self) -> bool:
-        if not self.ready:
+        while not self.ready:  # what the imports print comes first
             line = self.proc.stdout.readline()
+            if not line:
+                break
             self.ready = line.strip() == b"ready"
         return self.ready
 
@@ -291,14 +315,14 @@ def popen(cmd: list[str], *, stdin=None, stdout=None, stderr=None, env=None, cwd
     args = _python_args([str(c) for c in cmd])
     plain = dict(stdin=stdin, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
                  start_new_session=start_new_session, text=text)
-    if args is None or os.environ.get("VLLM_AFD_TEST_PRELOAD") != "1":
+    if args is None or env.get("VLLM_AFD_TEST_PRELOAD") != "1":
         return subprocess.Popen(cmd, **plain)
     with _lock:
         if _preloader is None or _preloader.proc.poll() is not None:
             _preloader = _Preloader()
         preloader = _preloader
-    if (_import_time_env(env) != _import_time_env(preloader.env)
-            or not preloader.wait_ready()):
+        ready = preloader.wait_ready()
+    if not ready or _import_time_env(env) != _import_time_env(preloader.env):
         return subprocess.Popen(cmd, **plain)
     opened, pipe = [], None
 
@@ -318,11 +342,14 @@ def popen(cmd: list[str], *, stdin=None, stdout=None, stderr=None, env=None, cwd
     fds = [fd_of(stdin, 0), fd_of(stdout, 1)]
     fds.append(fds[1] if stderr == subprocess.STDOUT else fd_of(stderr, 2))
     request = {"args": args, "env": env, "cwd": str(cwd or os.getcwd()),
-               "new_session": start_new_session}
+               "new_session": start_new_session,
+               "fork_for_spawn": env.get("VLLM_AFD_TEST_FORK_SPAWN") == "1"}
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(preloader.path)
-        socket.send_fds(conn, [json.dumps(request).encode()], fds)
+        message = json.dumps(request).encode() + b"\n"
+        socket.send_fds(conn, [message[:1 << 12]], fds)
+        conn.sendall(message[1 << 12:])
     finally:
         for f in opened:
             f.close()

@@ -7,7 +7,6 @@ loss, and the engine serves correct tokens again once an FFN server is back
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 

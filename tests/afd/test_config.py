@@ -2,7 +2,6 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """AFDConfig: CLI flags, afd-plugin's --additional-config form, validation, hashing."""
 
-import subprocess
 import sys
 
 import pytest

@@ -22,7 +22,6 @@ FFN on both roles).
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -198,7 +197,10 @@ def test_served_family_matches_plain(models_dir, tmp_path, name, gate_on):
     model = models_dir / name
     config = {"connector": "shm", "port": free_port(), "timeout_s": 60, "num_ubatches": 2,
               "ubatch_policy": "fixed", "gate_on": gate_on}
-    with ffn_server(model, config, tmp_path / "ffn.log") as ffn:
+    # Mixtral's FFN server spawns its worker as vLLM does for users (the other
+    # served cases fork it from a preloaded process: tests/conftest.py).
+    spawn = {"VLLM_AFD_TEST_FORK_SPAWN": "0"} if name == "tiny-mixtral" else None
+    with ffn_server(model, config, tmp_path / "ffn.log", env=spawn) as ffn:
         plain = run_oracle(model, tmp_path / "plain.json")  # while the FFN server starts
         ffn.wait_ready()
         afd = run_oracle(model, tmp_path / "afd.json", {**config, "role": "attention"})

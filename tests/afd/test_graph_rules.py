@@ -10,7 +10,6 @@ kernel); what a captured graph does on a GPU is tools/gpu_check's.
 """
 
 import json
-import subprocess
 import sys
 import textwrap
 from types import SimpleNamespace

@@ -9,7 +9,6 @@ import logging
 import secrets
 import shutil
 import socket
-import subprocess
 import sys
 import threading
 import time

@@ -4,15 +4,13 @@
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 import preload
-
-from safetensors import safe_open
 
 PROBE = Path(__file__).with_name("role_params_probe.py")
 MLP = re.compile(r"(^|\.)layers\.\d+\.mlp\.")

@@ -15,7 +15,6 @@ check, on both roles, that every MoE layer call really carried its routing.
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 

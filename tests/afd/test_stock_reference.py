@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from oracle import engine_cli_args
 from servers import cpu
 from stock import stock_site
 from test_oracle import ORACLE, assert_same, loopback_result, plain_result
@@ -27,23 +26,36 @@ def stock() -> Path:
     return stock_site()
 
 
-def run_stock(stock: Path, model: Path, out: Path) -> dict:
+MODELS = ["tiny-qwen3-moe", "tiny-deepseek-v2"]
+
+
+@pytest.fixture(scope="module")
+def stock_results(stock, models_dir, tmp_path_factory) -> Path:
     """tools/oracle.py with stock vLLM first on the path (from a directory
-    that holds no vllm/ of its own)."""
-    env = dict(os.environ, PYTHONPATH=str(stock), VLLM_CPU_OMP_THREADS_BIND=cpu(0))
+    that holds no vllm/ of its own), plain, every model in one process start.
+    Its own VLLM_CACHE_ROOT: the model files differ from the patched tree's,
+    and vLLM's model-info cache keeps one entry per architecture, stamped with
+    the file's hash, which the two trees would otherwise overwrite in turn
+    (each miss re-inspects the model in a fresh process)."""
+    out = tmp_path_factory.mktemp("stock")
+    env = dict(os.environ, PYTHONPATH=str(stock), VLLM_CPU_OMP_THREADS_BIND=cpu(0),
+               VLLM_CACHE_ROOT=str(stock.parent / "vllm-cache"))
     env.pop("VLLM_AFD_TEST_SOURCE_TREE", None)
-    proc = subprocess.run([sys.executable, str(ORACLE), str(model), "--out", str(out),
-                           *engine_cli_args(model)], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=out.parent)
+    proc = subprocess.run([sys.executable, str(ORACLE), "--matrix", str(out), "--plain-only",
+                           *[str(models_dir / name) for name in MODELS]],
+                          capture_output=True, text=True, timeout=900, env=env, cwd=out)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return out
 
 
-@pytest.mark.parametrize("model_name", ["tiny-qwen3-moe", "tiny-deepseek-v2"])
+@pytest.mark.parametrize("model_name", MODELS)
 def test_stock_vllm_answers_what_the_patched_tree_answers(models_dir, tmp_path, stock,
-                                                           model_name, kernel_paths):
+                                                           stock_results, model_name,
+                                                           kernel_paths):
     model = models_dir / model_name
-    reference = run_stock(stock, model, tmp_path / "stock.json")
+    error = stock_results / f"{model_name}.error.txt"
+    assert not error.exists(), error.read_text()[-4000:]
+    reference = json.loads((stock_results / f"{model_name}.plain.json").read_text())
     # It really was upstream's package, unpatched.
     assert reference["vllm"]["file"].startswith(str(stock)), reference["vllm"]
     assert reference["vllm"]["afd"] is False and reference["vllm"]["version"] == "0.32.0"

@@ -88,8 +88,10 @@ def test_vllm_serve_answers_completions(models_dir, tmp_path):
         "print(json.dumps([o.outputs[0].text for o in outs]))")
     expected = json.loads(ref.splitlines()[-1])
 
+    # The installed `vllm` command as a user starts it: a fresh process that
+    # spawns its engine core (tests/conftest.py: not forked from a preloader).
     server = Server(model, ["--max-model-len", "512", "--enforce-eager", "--dtype", "float32"],
-                    log_path=tmp_path / "serve.log")
+                    log_path=tmp_path / "serve.log", env={"VLLM_AFD_TEST_PRELOAD": "0"})
     with server:
         server.wait_ready()
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="test")

@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""tools/preload.py: a process forked from the preloader sees what a fresh
+`python ...` would (argv, environment, working directory, sys.path, __main__,
+streams, session, exit status, signals), only with vLLM imported already; a
+command it cannot be starts as a plain subprocess."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import preload
+
+PROBE = """
+import json, os, sys
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "x": os.environ.get("PRELOAD_X"),
+                  "path0": sys.path[0], "name": __name__,
+                  "file": globals().get("__file__"), "sid": os.getsid(0) == os.getpid(),
+                  "main": getattr(sys.modules["__main__"], "__file__", None)}))
+sys.exit(int(os.environ.get("PRELOAD_EXIT", "0")))
+"""
+
+
+@pytest.fixture(autouse=True)
+def preloading(monkeypatch):
+    monkeypatch.setenv("VLLM_AFD_TEST_PRELOAD", "1")
+
+
+def both(cmd, tmp_path, **kwargs):
+    """(forked, fresh) results of the same command."""
+    env = dict(os.environ, PRELOAD_X="x-value", PRELOAD_EXIT="3")
+    forked = preload.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=300, **kwargs)
+    fresh = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path,
+                           timeout=300, **kwargs)
+    return forked, fresh
+
+
+@pytest.mark.parametrize("form", ["script", "-c", "-m"])
+def test_a_forked_process_sees_what_a_fresh_one_does(tmp_path, form):
+    (tmp_path / "probe_mod.py").write_text(PROBE)
+    cmd = {"script": [sys.executable, str(tmp_path / "probe_mod.py"), "a", "b"],
+           "-c": [sys.executable, "-c", PROBE, "a", "b"],
+           "-m": [sys.executable, "-m", "probe_mod", "a", "b"]}[form]
+    forked, fresh = both(cmd, tmp_path)
+    assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout) == (
+        3, fresh.stdout), (forked, fresh)
+    assert '"x": "x-value"' in forked.stdout
+
+
+def test_it_is_forked_with_vllm_imported(tmp_path):
+    code = "import sys; print('vllm' in sys.modules)"
+    proc = preload.popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         stdin=subprocess.DEVNULL)
+    assert isinstance(proc, preload.ForkedProcess)
+    assert proc.stdout.read().strip() == "True" and proc.wait(60) == 0
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert fresh.stdout.strip() == "False"
+
+
+def test_exceptions_signals_and_sessions_as_in_a_fresh_process(tmp_path):
+    forked, fresh = both([sys.executable, "-c", "raise ValueError('boom')"], tmp_path)
+    assert forked.returncode == fresh.returncode == 1
+    assert "ValueError: boom" in forked.stderr
+    sleeper = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"]
+    for sig, code in [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, -signal.SIGINT)]:
+        proc = preload.popen(sleeper, stdout=subprocess.PIPE, start_new_session=True)
+        assert isinstance(proc, preload.ForkedProcess)
+        assert proc.stdout.readline() == b"up\n"
+        assert proc.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(0.1)
+        assert os.getpgid(proc.pid) == proc.pid  # its own session and group
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        assert proc.wait(30) == code and time.monotonic() - t0 < 30
+
+
+def test_what_it_cannot_be_starts_as_a_subprocess(tmp_path):
+    # Another program; an interpreter flag; a variable read while vLLM imports.
+    for cmd, env in [(["true"], None), ([sys.executable, "-I", "-c", "pass"], None),
+                     ([sys.executable, "-c", "pass"],
+                      dict(os.environ, VLLM_LOGGING_LEVEL="ERROR"))]:
+        proc = preload.popen(cmd, env=env)
+        assert type(proc) is subprocess.Popen and proc.wait(60) == 0
