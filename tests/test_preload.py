@@ -80,6 +80,18 @@ def test_exceptions_signals_and_sessions_as_in_a_fresh_process(tmp_path):
         assert proc.wait(30) == code and time.monotonic() - t0 < 30
 
 
+def test_the_test_process_importing_vllm_changes_nothing(monkeypatch):
+    """vLLM's import sets variables (TORCHINDUCTOR_*, LD_LIBRARY_PATH): once
+    the test process has imported it too, it has them, and still forks."""
+    import vllm  # noqa: F401
+
+    proc = preload.popen([sys.executable, "-c", "pass"])
+    assert isinstance(proc, preload.ForkedProcess) and proc.wait(60) == 0
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # a value it did not set
+    proc = preload.popen([sys.executable, "-c", "pass"])
+    assert type(proc) is subprocess.Popen and proc.wait(60) == 0
+
+
 def test_what_it_cannot_be_starts_as_a_subprocess(tmp_path):
     # Another program; an interpreter flag; a variable read while vLLM imports.
     for cmd, env in [(["true"], None), ([sys.executable, "-I", "-c", "pass"], None),

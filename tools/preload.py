@@ -60,9 +60,27 @@ READ_WHEN_USED = ("VLLM_AFD_TEST_", "VLLM_AFD_TOKEN", "VLLM_AFD_STATUS_DIR", "VL
                   "VLLM_HOST_IP", "VLLM_PORT", "VLLM_CPU_NUM_OF_RESERVED_CPU")
 
 
+# Set by vLLM's CPU platform while it builds a config (platforms/cpu.py,
+# check_and_update_config), to constants: a test that built one in its own
+# process has them from then on, and the process it starts sets them itself at
+# the same point (a forked one too).
+SET_BY_CONFIG = {"TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS",
+                 "VLLM_DISABLE_SHARED_EXPERTS_STREAM", "NUMEXPR_MAX_THREADS",
+                 "LOCAL_WORLD_SIZE"}
+
+
+def _loaded_by_torch(ld_preload: str) -> bool:
+    """LD_PRELOAD naming only torch's own OpenMP runtime (vLLM's CPU platform
+    sets it so for the processes it spawns), which importing torch loads anyway."""
+    libs = [p for p in ld_preload.replace(" ", ":").split(":") if p]
+    return all(Path(p).name.startswith("libgomp") and "torch" in Path(p).parts for p in libs)
+
+
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items()
-            if k.startswith(IMPORT_TIME_PREFIXES) and not k.startswith(READ_WHEN_USED)}
+            if k.startswith(IMPORT_TIME_PREFIXES) and not k.startswith(READ_WHEN_USED)
+            and k not in SET_BY_CONFIG
+            and not (k == "LD_PRELOAD" and _loaded_by_torch(v))}
 
 
 # ---------------------------------------------------------------- the preloader
@@ -150,6 +168,7 @@ def serve(path: str) -> None:
     for name in PRELOAD:
         __import__(name)
     import_effects = {k: v for k, v in os.environ.items() if base_env.get(k) != v}
+    print(json.dumps(import_effects), flush=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -263,6 +282,7 @@ class _Preloader:
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      env=self.env)
         self.ready = False
+        self.import_effects: dict[str, str] = {}
         atexit.register(self.close)
 
     def wait_ready(self) -> bool:
@@ -270,8 +290,18 @@ class _Preloader:
             line = self.proc.stdout.readline()
             if not line:
                 break
+            if line.startswith(b"{"):
+                self.import_effects = json.loads(line)
             self.ready = line.strip() == b"ready"
         return self.ready
+
+    def can_become(self, env: dict[str, str]) -> bool:
+        """Whether a fresh process with env would import what this one did:
+        the same import-time variables, or the values the imports set (which
+        the test process has too once it imported vLLM itself)."""
+        mine, theirs = _import_time_env(self.env), _import_time_env(env)
+        return all(mine.get(k) == theirs.get(k) or self.import_effects.get(k) == theirs.get(k)
+                   for k in mine.keys() | theirs.keys())
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -322,7 +352,7 @@ def popen(cmd: list[str], *, stdin=None, stdout=None, stderr=None, env=None, cwd
             _preloader = _Preloader()
         preloader = _preloader
         ready = preloader.wait_ready()
-    if not ready or _import_time_env(env) != _import_time_env(preloader.env):
+    if not ready or not preloader.can_become(env):
         return subprocess.Popen(cmd, **plain)
     opened, pipe = [], None
 

@@ -315,6 +315,12 @@ def test_pool_of_ffn_servers_under_kills(models_dir, tmp_path):
                 assert event.wait(120)
             others = [load.submit(complete, attns[i % 2], p) for i, p in enumerate(prompts)]
             time.sleep(0.5)
+            # Frozen first, then killed: the pool takes its members in turn, a
+            # step each, so within a step or two each attention server has one
+            # in flight on A, which dies with it. Killed at a random moment, A
+            # could be between steps (nothing to fail over) under a busy CPU.
+            os.killpg(a.proc.pid, signal.SIGSTOP)
+            time.sleep(1.0)
             a.kill()
             results = [f.result(timeout=300) for f in others]
         for got, ref in zip(results, plain, strict=True):
