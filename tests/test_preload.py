@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -30,13 +31,20 @@ def preloading(monkeypatch):
     monkeypatch.setenv("VLLM_AFD_TEST_PRELOAD", "1")
 
 
-def both(cmd, tmp_path, **kwargs):
-    """(forked, fresh) results of the same command."""
+def both(cmd, tmp_path):
+    """(forked, fresh) results of the same command; the first really forked."""
     env = dict(os.environ, PRELOAD_X="x-value", PRELOAD_EXIT="3")
-    forked = preload.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path,
-                         timeout=300, **kwargs)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = preload.popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
+                             cwd=tmp_path)
+        assert isinstance(proc, preload.ForkedProcess)
+        proc.wait(300)
+        out.seek(0)
+        err.seek(0)
+        forked = subprocess.CompletedProcess(cmd, proc.returncode, out.read().decode(),
+                                             err.read().decode())
     fresh = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path,
-                           timeout=300, **kwargs)
+                           timeout=300)
     return forked, fresh
 
 
@@ -47,8 +55,8 @@ def test_a_forked_process_sees_what_a_fresh_one_does(tmp_path, form):
            "-c": [sys.executable, "-c", PROBE, "a", "b"],
            "-m": [sys.executable, "-m", "probe_mod", "a", "b"]}[form]
     forked, fresh = both(cmd, tmp_path)
-    assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout) == (
-        3, fresh.stdout), (forked, fresh)
+    assert forked.returncode == fresh.returncode == 3, (forked, fresh)
+    assert forked.stdout == fresh.stdout, (forked, fresh)
     assert '"x": "x-value"' in forked.stdout
 
 

@@ -55,7 +55,8 @@ IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENB
                         "TORCH", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "VLLM_", "CUDA_",
                         "MALLOC_", "RAY_")
 # VLLM_* variables vLLM and vllm-afd read when used (vllm.envs is lazy), not at import.
-READ_WHEN_USED = ("VLLM_AFD_TEST_", "VLLM_AFD_TOKEN", "VLLM_AFD_STATUS_DIR", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
+READ_WHEN_USED = ("VLLM_AFD_TEST_", "VLLM_AFD_TOKEN", "VLLM_AFD_STATUS_DIR",
+                  "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
                   "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD",
                   "VLLM_HOST_IP", "VLLM_PORT", "VLLM_CPU_NUM_OF_RESERVED_CPU")
 
@@ -149,8 +150,7 @@ def _run_child(request: dict, fds: list[int], own_fds: list[int],
         # As an interpreter exits: join non-daemon threads, then atexit hooks.
         try:
             threading._shutdown()
-            import atexit as _atexit
-            _atexit._run_exitfuncs()
+            atexit._run_exitfuncs()
         finally:
             for stream in (sys.stdout, sys.stderr):
                 try:

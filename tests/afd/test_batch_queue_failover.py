@@ -25,9 +25,9 @@ def test_batch_queue_path_survives_a_lost_ffn(models_dir, tmp_path):
     model = models_dir / "tiny-qwen3-moe"
     out = tmp_path / "probe.json"
     proc = preload.run([sys.executable, str(PROBE), str(model), str(out), str(tmp_path),
-                           str(LONG_TOKENS)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                          env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0)))
+                        str(LONG_TOKENS)],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                       env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0)))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     plain = plain_result(model, tmp_path)

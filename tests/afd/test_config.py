@@ -120,7 +120,7 @@ def test_hash_covers_only_graph_factors():
 
 def test_serve_help_shows_the_afd_group():
     out = preload.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve",
-                          "--help=AFDConfig"], capture_output=True, text=True, timeout=120)
+                       "--help=AFDConfig"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--afd-role {attention,ffn}" in out.stdout
     assert "Attention-FFN Disaggregation" in out.stdout

@@ -15,7 +15,6 @@ import textwrap
 from types import SimpleNamespace
 
 import pytest
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -143,7 +142,7 @@ def resolve_on_cuda(models_dir, cases: list[tuple[dict | None, dict]]) -> list[d
     """VllmConfig for each (afd_config, compilation_config), in one process
     (importing vLLM dominates)."""
     proc = preload.run([sys.executable, "-c", CUDA_CONFIG, str(models_dir / "tiny-qwen3-moe"),
-                           json.dumps(cases)], capture_output=True, text=True, timeout=300)
+                        json.dumps(cases)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

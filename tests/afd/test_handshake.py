@@ -17,7 +17,6 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
-
 import torch
 from safetensors.torch import load_file, save_file
 

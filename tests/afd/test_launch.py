@@ -26,7 +26,6 @@ from pathlib import Path
 
 import openai
 import pytest
-
 import yaml
 
 import preload
@@ -255,7 +254,7 @@ groups = [g["name"] for g in ray.util.placement_group_table().values()
 print(json.dumps({{"actors": alive, "groups": groups}}))
 """
     out = preload.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
+                      timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -308,8 +307,8 @@ def test_dry_run_prints_the_plan_and_starts_nothing(models_dir, tmp_path, ray_he
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec))
     proc = preload.run([sys.executable, "-m", "vllm.afd.launch", str(path), "--address",
-                           ray_head.address, "--dry-run"], capture_output=True, text=True,
-                          timeout=120)
+                        ray_head.address, "--dry-run"], capture_output=True, text=True,
+                       timeout=120)
     assert proc.returncode == 0, proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines()]
     node = ray_head.address.split(":")[0]

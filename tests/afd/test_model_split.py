@@ -25,7 +25,7 @@ def probe(model: Path, role: str, gate_on: str = "ffn") -> dict:
     key = (str(model), role, gate_on if role != "plain" else "")
     if key not in _probes:
         proc = preload.run([sys.executable, str(PROBE), str(model), *SPECS],
-                              capture_output=True, text=True, timeout=600, cwd="/")
+                           capture_output=True, text=True, timeout=600, cwd="/")
         assert proc.returncode == 0, proc.stderr[-4000:]
         lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         assert len(lines) == len(SPECS), proc.stdout[-2000:]

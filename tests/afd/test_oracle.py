@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from safetensors import safe_open
 
 import preload

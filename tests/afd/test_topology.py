@@ -29,7 +29,6 @@ from pathlib import Path
 
 import openai
 import pytest
-
 import torch
 
 import preload
