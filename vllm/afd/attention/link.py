@@ -122,6 +122,11 @@ class AttentionLink:
         self._done: list[int] = []  # per ubatch: layer calls finished this step
         self._step_start = 0.0
         self._step_calls_left = 0
+        # The lead connector whose prepared calls (connectors/shm_fast.py) carry
+        # this step, armed by begin_step where they apply: one micro-batch, a
+        # lone lead, shm. _fast_lead: the same, until end_step reads its times.
+        self._fast = self._fast_lead = None
+        self._round_trips: list[float] = []  # into self.round_trip at end_step
         self._lock = threading.Lock()
         self._state_changed = threading.Condition(self._lock)
         self._publish_lock = threading.Lock()
@@ -281,6 +286,17 @@ class AttentionLink:
                 raise
         self._step_start = now()
         self.stats.tokens += sum(plan.num_tokens) * len(self.layers)
+        self._arm_fast(member, plan)
+
+    def _arm_fast(self, member, plan: StepPlan) -> None:
+        """A step of one micro-batch with a lone lead takes its connector's
+        prepared calls when it has them: exchange()'s general path costs more
+        than the link itself on a cold cache."""
+        self._fast = self._fast_lead = None
+        lead = member.lead if self._member is member else None
+        if (len(plan.num_tokens) == 1 and lead is not None and not member.followers
+                and lead.exchange_prepared()):
+            self._fast = self._fast_lead = lead
 
     def exchange(self, layer_idx: int, hidden_states: torch.Tensor, out: torch.Tensor,
                  routing: Routing | None = None, ubatch: int | None = None) -> torch.Tensor:
@@ -296,6 +312,30 @@ class AttentionLink:
         if not plan.is_real:
             out.zero_()  # profile, warm-up and capture runs: shapes only
             return out
+        fast = self._fast
+        if fast is not None and routing is None and not ubatch:
+            t0 = now()
+            if fast.prepared_send(layer_idx, 0, hidden_states, out):
+                # Counted while the FFN computes, undone if the output does not come.
+                member = self._member
+                self._done[0] += 1
+                member.layer_calls += 1
+                self.stats.layer_calls += 1
+                self._step_calls_left -= 1
+                if fast.prepared_recv(layer_idx, 0, out):
+                    elapsed = now() - t0
+                    self.stats.wait_s += elapsed  # end_step moves the send's part to send_s
+                    self._round_trips.append(elapsed)
+                    return out
+                self._done[0] -= 1
+                member.layer_calls -= 1
+                self.stats.layer_calls -= 1
+                self._step_calls_left += 1
+                self._fast = None  # the rest of the step takes the general path
+                self.stats.wait_s += now() - t0
+                return self._finish_exchange(layer_idx, 0, hidden_states, out, routing, member,
+                                             t0, t0, None)
+            self._fast = None
         turn = pingpong.current_turn()
         pp, u = turn if turn is not None else (None, 0)
         if ubatch is not None:
@@ -317,6 +357,16 @@ class AttentionLink:
         t1 = now()
         if pp is not None:
             pp.yield_turn(u)
+        return self._finish_exchange(layer_idx, u, hidden_states, out, routing, member, t0,
+                                     t1, failed_at)
+
+    def _finish_exchange(self, layer_idx: int, u: int, hidden_states: torch.Tensor,
+                         out: torch.Tensor, routing: Routing | None, member, t0: float,
+                         t1: float, failed_at: float | None) -> torch.Tensor:
+        """Wait for (layer, u)'s output, sent at t0 (done sending at t1),
+        failing over as needed; then the step's and the link's counters."""
+        where = f"layer {layer_idx} micro-batch {u}"
+        self._pending[u] = (layer_idx, hidden_states, routing)
         t2 = now()
         while True:
             member = self._member  # a failover while others held the turn moves it
@@ -411,6 +461,15 @@ class AttentionLink:
         plan, self.plan = self.plan, None
         member, self._member = self._member, None
         self._pending = {}
+        if self._fast_lead is not None:
+            # The prepared calls' time was counted as waiting: their sends' part.
+            sent = self._fast_lead.take_exchange_send_s()
+            self.stats.send_s += sent
+            self.stats.wait_s -= sent
+        self._fast = self._fast_lead = None
+        for elapsed in self._round_trips:
+            self.round_trip.observe(elapsed)
+        self._round_trips.clear()
         if plan is None or not plan.is_real:
             return  # dummy runs never time a micro-batch choice
         if self.ubatch_rule is not None:

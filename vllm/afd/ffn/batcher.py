@@ -103,7 +103,9 @@ class LayerBatcher:
         self.max_tokens = max_tokens
         self.window_s = window_s
         self.role, self.plans, self.timeout_s = role, plans, timeout_s
-        self.cv = threading.Condition()
+        self._lock = threading.Lock()
+        self.cv = threading.Condition(self._lock)
+        self.sleepers = 0  # compute() calls asleep in the batching path's cv.wait
         self.pending: list[_Call] = []
         self.active: set[int] = set()  # peers inside a step
         self.computing = False
@@ -184,8 +186,30 @@ class LayerBatcher:
             raise ValueError(f"AFD FFN: a call of {h.shape[0]} tokens from attention rank "
                              f"{peer}; the FFN is sized for {self.max_tokens}")
         if self.role == "alone":
-            out = self._alone(layer, h, peer, routing)
-            if out is not None:
+            # A lone peer's call (nobody else inside a step, nothing pending or
+            # computing) runs at once, without a _Call, the wait or the
+            # grouping: each costs tens of microseconds on a cold cache, per
+            # layer call, and so does each Python call (why this is inline).
+            # The condition's lock itself (a C call; the Condition's own enter
+            # is Python), and a notify only for calls asleep in the batching path.
+            with self._lock:
+                alone = not (self.computing or self.pending or not self.active <= {peer})
+                if alone:
+                    self.computing = True
+            if alone:
+                try:
+                    x = h if type(h) is torch.Tensor else gather([h])
+                    out = (self.run_mlp(layer, x) if routing is None
+                           else self.run_mlp(layer, x, routing))
+                    self.batches += 1
+                    if x.shape[0] > self.largest:
+                        self.largest = x.shape[0]
+                finally:
+                    with self._lock:
+                        self.calls += 1
+                        self.computing = False
+                        if self.sleepers:
+                            self.cv.notify_all()  # a peer that came meanwhile
                 return out
         call = _Call(layer, h, peer, routing)
         if self.role == "follower":
@@ -203,10 +227,14 @@ class LayerBatcher:
                         batch, self.pending = self.pending, []
                         self.computing = True
                         break
-                if self.computing:
-                    self.cv.wait()  # the computing thread notifies when it is done
-                else:
-                    self.cv.wait(max(deadline - time.monotonic(), 0.0))
+                self.sleepers += 1
+                try:
+                    if self.computing:
+                        self.cv.wait()  # the computing thread notifies when it is done
+                    else:
+                        self.cv.wait(max(deadline - time.monotonic(), 0.0))
+                finally:
+                    self.sleepers -= 1
         try:
             self._run(batch)
         except BaseException as e:  # not an mlp failure (those stay with their calls)
@@ -221,28 +249,6 @@ class LayerBatcher:
                 self.computing = False
                 self.cv.notify_all()
         return call.result()
-
-    def _alone(self, layer: int, h: "torch.Tensor | Packed", peer: int,
-               routing: Routing | None) -> torch.Tensor | None:
-        """A lone peer's call (nobody else inside a step, nothing pending or
-        computing): run it at once, without a _Call, the wait or the grouping
-        (each costs tens of microseconds on a cold cache, per layer call).
-        None when others are there: the batching path takes the call."""
-        with self.cv:
-            if self.computing or self.pending or not self.active <= {peer}:
-                return None
-            self.computing = True
-        try:
-            x = gather([h])
-            out = self.run_mlp(layer, x) if routing is None else self.run_mlp(layer, x, routing)
-            self.batches += 1
-            self.largest = max(self.largest, x.shape[0])
-        finally:
-            with self.cv:
-                self.calls += 1
-                self.computing = False
-                self.cv.notify_all()  # a peer that came meanwhile
-        return out
 
     def _run(self, batch: list[_Call]) -> None:
         by_layer: dict[int, list[_Call]] = {}

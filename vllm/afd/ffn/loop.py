@@ -130,6 +130,7 @@ class FFNLoop:
         # For /metrics: totals over every session so far.
         self.compute_hist = Histogram(LATENCY_BUCKETS_S)
         self.tokens_hist = Histogram(TOKEN_BUCKETS)
+        self._observed: list[tuple[float, int]] = []  # (seconds, tokens), see fold_observed
         self.sessions = 0  # sessions started (one per accepted attention peer)
         self.errors: dict[str, int] = {}
         self._bytes_closed = [0, 0]  # sent, received by sessions already closed
@@ -367,9 +368,20 @@ class FFNLoop:
                                   f"{type(e).__name__}: {e}") from e
         elapsed = now() - t0
         self.compute.compute_s += elapsed
-        self.compute_hist.observe(elapsed)
-        self.tokens_hist.observe(h.shape[0])
+        # Into the histograms when the step ends (fold_observed): two calls
+        # fewer per layer call.
+        self._observed.append((elapsed, h.shape[0]))
         return out
+
+    def fold_observed(self) -> None:
+        """The mlp calls' times and sizes so far into the /metrics histograms."""
+        observed = self._observed  # other sessions' threads may append meanwhile
+        n = len(observed)
+        taken = observed[:n]
+        del observed[:n]
+        for elapsed, tokens in taken:
+            self.compute_hist.observe(elapsed)
+            self.tokens_hist.observe(tokens)
 
     def _serve_peer(self, peer: int, conn: AFDConnector) -> None:
         """Serve one attention peer's steps until it says goodbye.
@@ -387,39 +399,57 @@ class FFNLoop:
                 logger.info("AFD FFN: attention rank %d said goodbye", peer)
                 return
             num_tokens, from_layer = header.num_tokens, header.from_layer
+            # (layer, micro-batch) in the order they come; a resumed step
+            # (failover) skips, per micro-batch, the layers done elsewhere.
+            calls = [(layer_idx, u) for layer_idx in self.layers for u in range(len(num_tokens))
+                     if not (from_layer and layer_idx < from_layer[u])]
             batcher.begin(peer)
             t_step = now()
-            calls = tokens = routed = 0
+            tokens = routed = 0
+            h = None  # the next call's hidden states, when already received
             try:
-                for layer_idx in self.layers:
-                    for u in range(len(num_tokens)):
-                        if from_layer and layer_idx < from_layer[u]:
-                            continue  # done before the failover, elsewhere
-                        t0 = now()
+                for i, (layer_idx, u) in enumerate(calls):
+                    t0 = now()
+                    if h is None:
                         # fp8 hidden states stay packed: the batcher unpacks
                         # them straight into the joined MoE input.
                         h = conn.recv_hidden(peer, layer_idx, u, defer=True)
-                        routing = self._routing_of(conn, peer, layer_idx, u)
-                        t1 = now()
-                        try:
-                            out = batcher.compute(layer_idx, h, peer, routing)
-                        except (FFNComputeError, PlanError) as e:
-                            # The attention side fails with this text, not "goodbye".
-                            conn.report_error(str(e))
-                            raise
-                        calls += 1
-                        tokens += num_tokens[u]
-                        routed += routing is not None
-                        t2 = now()
-                        if answer:
-                            conn.send_output(peer, layer_idx, u, out)
-                        stats.wait_s += t1 - t0
+                    # Without routed layers no routing can come (the connector
+                    # was built without: routing_topk 0).
+                    routing = (self._routing_of(conn, peer, layer_idx, u) if self.routing_topk
+                               else None)
+                    t1 = now()
+                    try:
+                        out = batcher.compute(layer_idx, h, peer, routing)
+                    except (FFNComputeError, PlanError) as e:
+                        # The attention side fails with this text, not "goodbye".
+                        conn.report_error(str(e))
+                        raise
+                    tokens += num_tokens[u]
+                    routed += routing is not None
+                    stats.wait_s += t1 - t0
+                    t2 = now()
+                    h = None
+                    if not answer:
+                        continue
+                    if i + 1 < len(calls):
+                        # This output and the next call's hidden states in one go
+                        # (one C call on shm): all of it counted as waiting here,
+                        # its sending part moved to send_s when the step ends.
+                        h = conn.reply_and_recv(peer, layer_idx, u, out, *calls[i + 1])
+                        stats.wait_s += now() - t2
+                    else:
+                        conn.send_output(peer, layer_idx, u, out)
                         stats.send_s += now() - t2
             finally:
                 batcher.end(peer)
+                self.fold_observed()
+                sent = conn.take_reply_send_s(peer)
+                stats.send_s += sent
+                stats.wait_s -= sent
             stats.step_wall_s += now() - t_step
             stats.steps += 1
-            stats.layer_calls += calls
+            stats.layer_calls += len(calls)
             stats.routed_calls += routed
             stats.tokens += tokens
 

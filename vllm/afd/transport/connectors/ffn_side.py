@@ -30,6 +30,7 @@ class FFNSide:
         # (peer, ubatch) -> (layer, shape) of hidden states awaiting output
         self._awaiting: dict[tuple[int, int], tuple[int, list[int]]] = {}
         self._routings: dict[tuple[int, int], wire.Routing | None] = {}  # see routing()
+        self._reply_send_s: dict[int, float] = {}  # peer -> reply_and_recv's sending
 
     def recv_step(self, peer: int = 0, timeout_s: float | None = None) -> StepHeader:
         """Wait for peer's next StepHeader; by default as long as the peer stays
@@ -103,3 +104,16 @@ class FFNSide:
             "layer {} ubatch {} output of step {}", layer_id, ubatch_id, step.step_id))
         del self._awaiting[(peer, ubatch_id)]
         self._routings.pop((peer, ubatch_id), None)
+
+    def reply_and_recv(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor,
+                       next_layer: int, next_ubatch: int) -> "torch.Tensor | Packed":
+        """send_output of (layer_id, ubatch_id), then recv_hidden(defer=True) of
+        the peer's next layer call: one C call on shm (shm_fast.py)."""
+        t0 = time.perf_counter()
+        self.send_output(peer, layer_id, ubatch_id, out)
+        self._reply_send_s[peer] = self._reply_send_s.get(peer, 0.0) + time.perf_counter() - t0
+        return self.recv_hidden(peer, next_layer, next_ubatch, defer=True)
+
+    def take_reply_send_s(self, peer: int) -> float:
+        """Seconds reply_and_recv spent sending to peer since the last call."""
+        return self._reply_send_s.pop(peer, 0.0)

@@ -37,6 +37,24 @@ exactly that frame, which passes wire.check_frame by construction; both ends
 of an shm link write and expect the same templates. Headers stay ordinary
 msgpack (msgspec reads non-minimal integers), so the general path reads them.
 
+Prepared layer calls (csrc/cpu/lane_calls.cpp): even one C call per message
+end left a stack of Python helpers around each layer call (the checks above,
+the template and slot lookups, the protocol state), 150-250 us per layer on the
+VM after a layer's compute. What is fixed for a step (per micro-batch: the
+headers with step and micro-batch patched in, the slots, the sizes) is
+prepared once when the step begins (send_step on the attention side, recv_step
+on the FFN side), and a layer call is one C call with four numbers:
+
+  attention  prepared_send(layer, u, h, out), then prepared_recv(layer, u, out):
+             send h; wait and copy the output into out (link.py uses them for
+             steps of one micro-batch, and counts the call in between)
+  FFN        reply_and_recv(peer, layer, u, out, next_layer, next_u): send this
+             call's output, wait for the next call's hidden states
+
+Both fall back as the calls above do: nothing sent (a full ring) means the
+general path does it all; sent but no expected answer in time means the
+general receive takes over, with its own timeout and errors.
+
 Mixed into ShmConnector (shm.py) ahead of the protocol classes.
 """
 
@@ -96,6 +114,11 @@ class FastFrames:
         # peer -> slot addresses (send, receive), per micro-batch
         self._slot_addresses: dict[int, tuple[list[int], list[int]]] = {}
         self.fast_calls = 0  # layer-call message ends taken by the fast path (tests)
+        # peer -> the step's prepared calls: (lane_calls capsule, its module,
+        # per micro-batch (rows, bytes sent, bytes received, [rows, hidden],
+        # the received slot's tensor on the FFN side, (rows, hidden))), or None
+        self._prepared: dict[int, tuple | None] = {}
+        self._prepared_send_ns: dict[int, int] = {}  # send time already reported
 
     def _fast_enabled(self) -> bool:
         """Host memory both ends, exact transfer both ways, no routing."""
@@ -161,7 +184,88 @@ class FastFrames:
         self.fast_calls += 1
         return True
 
+    def _prepare(self, peer: int, step: wire.StepHeader) -> None:
+        """Prepare the step's layer calls with peer (see the module docstring)."""
+        self._prepared[peer] = None
+        self._prepared_send_ns.pop(peer, None)
+        link = self._links.get(peer)
+        if (step.is_goodbye or step.is_shutdown or not self._fast_enabled()
+                or type(link) is not doorbell.RingLink or self._failure is not None
+                or not self._connected):
+            return
+        addresses = self._addresses(peer)
+        if addresses is None:
+            return
+        sends, recvs, sizes = [], [], []
+        for u, rows in enumerate(step.num_tokens):
+            out_t = self._template(self._send_templates, rows)
+            in_t = self._template(self._recv_templates, rows)
+            if out_t is None or in_t is None:
+                return
+            sends.append((*out_t[:4], addresses[0][u], out_t[4]))
+            recvs.append((*in_t[:4], addresses[1][u], in_t[4]))
+            overhead = link.frame_overhead
+            shape = [rows, self.hidden_size]
+            sizes.append((rows, out_t[4] + overhead + len(out_t[0]),
+                          in_t[4] + overhead + len(in_t[0]), shape,
+                          None if self.is_attention else self._rx[peer].read(u, self.dtype,
+                                                                            shape),
+                          (rows, self.hidden_size)))
+        calls = link.C.lane_prepare(link, link.lane, step.step_id, link.spin_ns,
+                                    link.fast_wait_ms, sends, recvs)
+        self._prepared[peer] = (calls, link.C, sizes)
+
+    def _prepared_send_s(self, peer: int) -> float:
+        """Time the prepared calls spent sending since the last time asked."""
+        prepared = self._prepared.get(peer)
+        if prepared is None:
+            return 0.0
+        send_ns = prepared[1].lane_call_times(prepared[0])[0]
+        before = self._prepared_send_ns.get(peer, 0)
+        self._prepared_send_ns[peer] = send_ns
+        return (send_ns - before) * 1e-9
+
     # ------------------------------------------------------- attention side
+    def send_step(self, header: wire.StepHeader) -> None:
+        super().send_step(header)
+        if self.is_attention:
+            self._prepare(0, header)
+
+    def exchange_prepared(self) -> bool:
+        return self._prepared.get(0) is not None
+
+    def prepared_send(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
+                      out: torch.Tensor) -> bool:
+        prepared = self._prepared.get(0)
+        if prepared is None or self._in_flight or self._failure is not None:
+            return False
+        calls, C, sizes = prepared
+        size = sizes[ubatch_id]
+        shape, dtype = size[5], self.dtype
+        # Inline checks: a Python call costs microseconds on a cold cache.
+        if not (h.dtype == dtype and out.dtype == dtype and h.is_cpu and out.is_cpu
+                and h.shape == shape and out.shape == shape and h.is_contiguous()
+                and out.is_contiguous()):
+            return False
+        if C.lane_post_call(calls, ubatch_id, layer_id, h.data_ptr()) == 1:
+            return False  # a full ring: nothing sent
+        self.bytes_sent += size[1]
+        self.fast_calls += 1
+        return True
+
+    def prepared_recv(self, layer_id: int, ubatch_id: int, out: torch.Tensor) -> bool:
+        calls, C, sizes = self._prepared[0]
+        if C.lane_take_call(calls, ubatch_id, layer_id, out.data_ptr()):
+            self.bytes_received += sizes[ubatch_id][2]
+            self.fast_calls += 1
+            return True
+        # The general receive takes over (recv_output: its wait, its errors).
+        self._in_flight.append((layer_id, ubatch_id, sizes[ubatch_id][3]))
+        return False
+
+    def take_exchange_send_s(self) -> float:
+        return self._prepared_send_s(0)
+
     def send_hidden(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
                     expect_output: bool = True, routing: wire.Routing | None = None) -> None:
         step = self._step
@@ -197,6 +301,48 @@ class FastFrames:
         return super().recv_output(layer_id, ubatch_id, out)
 
     # ------------------------------------------------------------- FFN side
+    def recv_step(self, peer: int = 0, timeout_s: float | None = None) -> wire.StepHeader:
+        header = super().recv_step(peer, timeout_s)
+        if not self.is_attention:
+            self._prepare(peer, header)
+        return header
+
+    def reply_and_recv(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor,
+                       next_layer: int, next_ubatch: int) -> "torch.Tensor":
+        prepared = self._prepared.get(peer)
+        awaiting, key = self._awaiting, (peer, ubatch_id)
+        awaited = awaiting.get(key)
+        if (prepared is None or awaited is None or awaited[0] != layer_id
+                or self._failure is not None):
+            return super().reply_and_recv(peer, layer_id, ubatch_id, out, next_layer,
+                                          next_ubatch)
+        calls, C, sizes = prepared
+        size = sizes[ubatch_id]
+        # Inline checks: a Python call costs microseconds on a cold cache.
+        if not (out.dtype == self.dtype and out.is_cpu and out.shape == size[5]
+                and out.is_contiguous()) or C.lane_post_call(calls, ubatch_id, layer_id,
+                                                             out.data_ptr()) == 1:
+            return super().reply_and_recv(peer, layer_id, ubatch_id, out, next_layer,
+                                          next_ubatch)
+        # Sent. The bookkeeping now, while the attention side computes; the
+        # receive's return is kept short (it is on the way to the next mlp).
+        self.bytes_sent += size[1]
+        del awaiting[key]
+        self._routings.pop(key, None)
+        _, _, received, shape, view, _ = sizes[next_ubatch]
+        if C.lane_take_call(calls, next_ubatch, next_layer, 0):
+            self.bytes_received += received
+            self.fast_calls += 2
+            key = (peer, next_ubatch)
+            awaiting[key] = (next_layer, shape)
+            self._routings[key] = None
+            return view
+        self.fast_calls += 1
+        return self.recv_hidden(peer, next_layer, next_ubatch, defer=True)
+
+    def take_reply_send_s(self, peer: int) -> float:
+        return self._prepared_send_s(peer) + super().take_reply_send_s(peer)
+
     def recv_hidden(self, peer: int, layer_id: int, ubatch_id: int, *,
                     defer: bool = False) -> torch.Tensor:
         step = self._peer_steps.get(peer)

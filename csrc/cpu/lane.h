@@ -1,0 +1,149 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+//
+// The shm message lane (lane.cpp has the why): both rings of one connection,
+// the message path each way, and the frame templates. Shared by lane.cpp (one
+// message per call) and lane_calls.cpp (a step's layer calls, prepared once).
+#pragma once
+
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+extern "C" int afd_doorbell_wait(const uint32_t* word, uint32_t* sleeping, uint32_t seen,
+                                 int fd, int64_t spin_ns, int timeout_ms,
+                                 const uint32_t* abort);
+extern "C" int afd_doorbell_ring(uint32_t* word, const uint32_t* sleeping, uint32_t value,
+                                 int fd);
+
+namespace afd_lane {
+
+// Ring layout (doorbell.py): head, sleeping, tail, then the entries.
+constexpr int64_t kHead = 0, kSleeping = 64, kTail = 128, kEntries = 256;
+constexpr int kLengthBytes = 4;
+// Preempted spins (doorbell.py SpinBackoff): this many within kWindowNs stop
+// spinning for kBackoffNs.
+constexpr int kBackoffPreemptions = 3;
+constexpr int64_t kWindowNs = 1000000000, kBackoffNs = 1000000000;
+constexpr const char kCapsule[] = "vllm_afd.lane";
+
+inline int64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+struct Lane {
+  uint8_t* tx;  // the ring this side sends on
+  uint8_t* rx;  // the ring this side receives from
+  int fd;
+  uint32_t entries, entry_bytes;
+  uint32_t sent = 0, received = 0, peer_tail = 0;
+  uint32_t abort = 0;
+  int64_t preempted_at[kBackoffPreemptions] = {};
+  int preempted_count = 0;
+  int64_t spin_from = 0;
+  uint64_t preemptions = 0, backoffs = 0;
+
+  uint32_t* word(uint8_t* ring, int64_t offset) {
+    return reinterpret_cast<uint32_t*>(ring + offset);
+  }
+  uint8_t* entry(uint8_t* ring, uint32_t seq) {
+    return ring + kEntries + static_cast<int64_t>(seq % entries) * entry_bytes;
+  }
+  bool may_spin(int64_t now) const { return spin_from == 0 || now >= spin_from; }
+  void note_preempted(int64_t now) {
+    ++preemptions;
+    // The last kBackoffPreemptions times, oldest first.
+    if (preempted_count == kBackoffPreemptions) {
+      memmove(preempted_at, preempted_at + 1, sizeof(int64_t) * (kBackoffPreemptions - 1));
+      --preempted_count;
+    }
+    preempted_at[preempted_count++] = now;
+    if (preempted_count == kBackoffPreemptions && now - preempted_at[0] <= kWindowNs) {
+      spin_from = now + kBackoffNs;
+      ++backoffs;
+      preempted_count = 0;
+    }
+  }
+  // Room for one more entry in the send ring?
+  bool has_space() {
+    if (sent - peer_tail < entries) return true;
+    peer_tail = __atomic_load_n(word(tx, kTail), __ATOMIC_ACQUIRE);
+    return sent - peer_tail < entries;
+  }
+  // Write one entry (header bytes) and publish it. 0, 1 (ring full: nothing
+  // written) or -errno (published, but the wake-up failed: the peer is gone).
+  int post(const uint8_t* header, Py_ssize_t n) {
+    if (!has_space()) return 1;
+    uint8_t* e = entry(tx, sent);
+    const uint32_t len = static_cast<uint32_t>(n);
+    memcpy(e, &len, kLengthBytes);
+    memcpy(e + kLengthBytes, header, n);
+    ++sent;
+    return afd_doorbell_ring(word(tx, kHead), word(tx, kSleeping), sent, fd);
+  }
+  // Wait for the next entry: 1 there, 0 timed out, -1 closed (the peer or this side).
+  int wait(int64_t spin_ns, int timeout_ms) {
+    const int64_t t = now_ns();
+    if (spin_ns > 0 && !may_spin(t)) spin_ns = 0;
+    int status = afd_doorbell_wait(word(rx, kHead), word(rx, kSleeping), received, fd,
+                                   spin_ns, timeout_ms, &abort);
+    if (__atomic_load_n(&abort, __ATOMIC_SEQ_CST)) return -1;
+    if (status == 2) {  // arrived, but the spin was preempted on the way
+      note_preempted(t);
+      status = 1;
+    }
+    return status;
+  }
+  // The next entry's header, or nullptr when its length is out of bounds.
+  const uint8_t* next_header(uint32_t* n) {
+    const uint8_t* e = entry(rx, received);
+    memcpy(n, e, kLengthBytes);
+    if (*n > entry_bytes - kLengthBytes) return nullptr;
+    return e + kLengthBytes;
+  }
+  void consume() {
+    ++received;
+    __atomic_store_n(word(rx, kTail), received, __ATOMIC_RELEASE);
+  }
+};
+
+inline void put_be(uint8_t* p, uint64_t v, int width) {
+  for (int i = width - 1; i >= 0; --i, v >>= 8) p[i] = static_cast<uint8_t>(v);
+}
+
+// A frame template: the encoded LayerFrame and where its step (8 bytes),
+// layer and micro-batch (4 bytes each, big-endian) go.
+struct Template {
+  PyObject* bytes;  // a bytes object (borrowed)
+  const char* buf = nullptr;
+  Py_ssize_t len = 0;
+  Py_ssize_t step_at, layer_at, ubatch_at;
+  bool load() { return PyBytes_AsStringAndSize(bytes, const_cast<char**>(&buf), &len) == 0; }
+};
+
+inline bool patch(const Template& t, uint8_t* out, unsigned long long step, unsigned long layer,
+           unsigned long ubatch) {
+  const Py_ssize_t n = t.len;
+  if (t.step_at < 0 || t.step_at + 8 > n || t.layer_at < 0 || t.layer_at + 4 > n ||
+      t.ubatch_at < 0 || t.ubatch_at + 4 > n || layer > 0xFFFFFFFFul || ubatch > 0xFFFFFFFFul)
+    return false;
+  memcpy(out, t.buf, n);
+  put_be(out + t.step_at, step, 8);
+  put_be(out + t.layer_at, layer, 4);
+  put_be(out + t.ubatch_at, ubatch, 4);
+  return true;
+}
+
+// The lane in a capsule made by lane_new (nullptr and a Python error if not one).
+Lane* lane_of(PyObject* capsule);
+
+// A step's layer calls, prepared once per step (lane_calls.cpp).
+PyObject* lane_prepare(PyObject*, PyObject* args);
+PyObject* lane_post_call(PyObject*, PyObject* args);
+PyObject* lane_take_call(PyObject*, PyObject* args);
+PyObject* lane_call_times(PyObject*, PyObject* args);
+
+}  // namespace afd_lane

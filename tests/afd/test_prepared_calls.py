@@ -1,0 +1,258 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""A step's layer calls prepared once (shm_fast.py, csrc/cpu/lane_calls.cpp):
+the attention link's steps of one micro-batch and the FFN loop's replies take
+them, they count what the general path counts, and every surprise goes the
+general way and raises what it always did. Real connectors, a real FFN loop
+and attention link in threads of one process; the latency they save is
+measured by `make bench` (link/layer), not here."""
+
+import time
+
+import pytest
+import torch
+from test_connectors import HIDDEN, Background
+from test_doorbell import pair
+
+from vllm.afd.attention.link import AttentionLink, StepPlan
+from vllm.afd.ffn.loop import FFNLoop
+from vllm.afd.topology import FFNPlacement
+from vllm.afd.transport.config import LinkConfig
+from vllm.afd.transport.connectors.base import AFDConnectionError
+from vllm.afd.transport.wire import StepHeader
+
+
+def reply_echo(ffn, layers: int) -> int:
+    """Serve one-micro-batch steps through reply_and_recv (output = 2h + layer)."""
+    steps = 0
+    while True:
+        step = ffn.recv_step(0)
+        if step.is_goodbye or step.is_shutdown:
+            return steps
+        h = ffn.recv_hidden(0, 0, 0)
+        for layer in range(layers):
+            out = h * 2 + layer
+            if layer + 1 < layers:
+                h = ffn.reply_and_recv(0, layer, 0, out, layer + 1, 0)
+            else:
+                ffn.send_output(0, layer, 0, out)
+        steps += 1
+
+
+def prepared_steps(attn, steps: list[int], layers: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    for i, rows in enumerate(steps):
+        attn.send_step(StepHeader(step_id=i + 1, num_tokens=[rows]))
+        assert attn.exchange_prepared()
+        for layer in range(layers):
+            h = torch.randn(rows, HIDDEN, generator=g)
+            out = torch.empty_like(h)
+            assert attn.prepared_send(layer, 0, h, out)
+            assert attn.prepared_recv(layer, 0, out)
+            assert torch.equal(out, h * 2 + layer)
+
+
+def general_steps(attn, steps: list[int], layers: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    for i, rows in enumerate(steps):
+        attn.send_step(StepHeader(step_id=i + 1, num_tokens=[rows]))
+        for layer in range(layers):
+            h = torch.randn(rows, HIDDEN, generator=g)
+            attn.send_hidden(layer, 0, h)
+            assert torch.equal(attn.recv_output(layer, 0), h * 2 + layer)
+
+
+def test_prepared_calls_carry_every_layer_call_and_count_like_the_general_path():
+    """Every message end of every layer call goes through a prepared call
+    (the lane's own count agrees), outputs are exact, and the byte counters
+    equal those of the same steps through the general path."""
+    steps, layers = [3, 1, 16, 7], 4
+    ffn, attn = pair(spin_us=20_000)
+    server = Background(reply_echo, ffn, layers)
+    try:
+        prepared_steps(attn, steps, layers)
+        calls = len(steps) * layers
+        assert attn.fast_calls == 2 * calls
+        # The FFN's first receive of a step is recv_hidden's fast path, its last
+        # send send_output's; everything between is reply_and_recv's.
+        assert ffn.fast_calls == 2 * calls
+        c_calls, send_ns, wait_ns = (attn._prepared[0][1].lane_call_times(
+            attn._prepared[0][0])[i] for i in (2, 0, 1))
+        assert c_calls == layers and send_ns > 0 and wait_ns > 0  # the last step's
+        assert attn.take_exchange_send_s() == pytest.approx(send_ns * 1e-9)
+        assert attn.take_exchange_send_s() == 0.0  # taken
+        calls, C, _ = ffn._prepared[0]  # the last step's: a reply for all but the last
+        assert C.lane_call_times(calls)[2] == layers - 1
+    finally:
+        attn.close()
+        assert server.join_result() == len(steps)
+    ffn.close()
+    ffn2, attn2 = pair(spin_us=20_000)
+    server = Background(reply_echo, ffn2, layers)
+    try:
+        general_steps(attn2, steps, layers)
+    finally:
+        attn2.close()
+        assert server.join_result() == len(steps)
+    ffn2.close()
+    assert (attn.bytes_sent, attn.bytes_received) == (attn2.bytes_sent, attn2.bytes_received)
+    assert (ffn.bytes_sent, ffn.bytes_received) == (ffn2.bytes_sent, ffn2.bytes_received)
+
+
+def test_what_prepared_calls_cannot_carry_is_not_sent():
+    """A tensor of another shape, dtype or layout, or an output already in
+    flight: prepared_send sends nothing (the lane's count stays), and the
+    general path then carries the call."""
+    ffn, attn = pair(spin_us=20_000)
+    server = Background(reply_echo, ffn, 1)
+    try:
+        attn.send_step(StepHeader(step_id=1, num_tokens=[4]))
+        lane = attn._links[0]
+        sent = lane.counters["sent"]
+        good = torch.randn(4, HIDDEN)
+        for h, out in ((torch.randn(3, HIDDEN), torch.empty(3, HIDDEN)),
+                       (good.double(), torch.empty(4, HIDDEN, dtype=torch.float64)),
+                       (torch.randn(HIDDEN, 4).t(), torch.empty(4, HIDDEN)),
+                       (good, torch.empty(4, HIDDEN + 1)[:, :HIDDEN])):
+            assert not attn.prepared_send(0, 0, h, out)
+        assert lane.counters["sent"] == sent and attn.fast_calls == 0
+        attn.send_hidden(0, 0, good)
+        assert not attn.prepared_send(0, 0, good, torch.empty(4, HIDDEN))  # one in flight
+        assert torch.equal(attn.recv_output(0, 0), good * 2)
+    finally:
+        attn.close()
+        server.join_result()
+    ffn.close()
+
+
+def test_an_error_frame_instead_of_the_output_is_raised_by_the_general_receive():
+    """The FFN reports an error instead of answering: prepared_recv leaves it
+    to recv_output, which raises the FFN's own text."""
+    ffn, attn = pair(spin_us=20_000)
+
+    def fail():
+        ffn.recv_step(0)
+        ffn.recv_hidden(0, 0, 0)
+        ffn.report_error("the mlp of layer 0 failed: out of memory")
+
+    server = Background(fail)
+    attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
+    h, out = torch.randn(2, HIDDEN), torch.empty(2, HIDDEN)
+    assert attn.prepared_send(0, 0, h, out)
+    server.join_result()
+    assert not attn.prepared_recv(0, 0, out)
+    with pytest.raises(AFDConnectionError, match="out of memory"):
+        attn.recv_output(0, 0, out=out)
+    attn.close()
+    ffn.close()
+
+
+def test_a_goodbye_instead_of_the_next_hidden_states_is_raised_by_the_general_receive():
+    """The attention side leaves mid-step: the FFN's reply goes out, and the
+    general receive of the next call raises what it always did."""
+    ffn, attn = pair(spin_us=20_000)
+    attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
+    h = torch.randn(2, HIDDEN)
+    attn.send_hidden(0, 0, h)
+    ffn.recv_step(0)
+    got = ffn.recv_hidden(0, 0, 0)
+    replying = Background(ffn.reply_and_recv, 0, 0, 0, got * 2, 1, 0)
+    assert torch.equal(attn.recv_output(0, 0), h * 2)
+    attn.close()  # says goodbye
+    with pytest.raises(AFDConnectionError):
+        replying.join_result()
+    ffn.close()
+
+
+def test_an_answer_later_than_the_prepared_wait_arrives_through_the_general_path(
+        monkeypatch):
+    """An FFN slower than the prepared wait's bound (doorbell.FAST_WAIT_MS):
+    the general receive waits on and delivers the output."""
+    from vllm.afd.transport import doorbell
+
+    monkeypatch.setattr(doorbell, "FAST_WAIT_MS", 20)
+    ffn, attn = pair(spin_us=0)
+
+    def slow():
+        ffn.recv_step(0)
+        h = ffn.recv_hidden(0, 0, 0)
+        time.sleep(0.2)
+        ffn.send_output(0, 0, 0, h + 1)
+
+    server = Background(slow)
+    attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
+    h, out = torch.randn(2, HIDDEN), torch.empty(2, HIDDEN)
+    assert attn.prepared_send(0, 0, h, out)
+    t0 = time.monotonic()
+    assert not attn.prepared_recv(0, 0, out)
+    assert time.monotonic() - t0 < 0.15
+    assert attn.recv_output(0, 0, out=out) is out and torch.equal(out, h + 1)
+    server.join_result()
+    attn.close()
+    ffn.close()
+
+
+def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps():
+    """A real FFN loop and attention link over shm: steps of one micro-batch
+    go through prepared calls on both sides (all but a step's first receive
+    and last send on the FFN), give the FFN's results, and their time is
+    split into sending and waiting as the general path's is."""
+    from test_connectors import free_port
+
+    port = free_port()
+    weight = torch.randn(HIDDEN, HIDDEN) / HIDDEN
+    layers = [0, 1, 2]
+
+    def mlp(layer, h, routing):
+        return (h @ weight) + layer
+
+    config = dict(connector="shm", port=port, timeout_s=10, num_ubatches=2,
+                  connector_extra_config={"spin_us": 20_000})
+    loop = FFNLoop(LinkConfig(role="ffn", **config), layers=layers, compute=mlp,
+                   hidden_size=HIDDEN, dtype=torch.float32, max_tokens=32,
+                   placement=FFNPlacement(rank=0, group=[0]), warmup_sizes=[])
+    loop.start()
+    link = AttentionLink(LinkConfig(**config), hidden_size=HIDDEN, dtype=torch.float32,
+                         max_tokens=32)
+    for layer in layers:
+        link.add_layer(layer)
+    try:
+        assert loop.ready.wait(10)
+        link.start()
+        for step, rows in enumerate([1, 5, 32]):
+            link.begin_step(StepPlan(num_tokens=(rows,)))
+            assert link._fast is not None
+            h = torch.randn(rows, HIDDEN)
+            for layer in layers:
+                out = torch.empty_like(h)
+                assert link.exchange(layer, h, out) is out
+                torch.testing.assert_close(out, h @ weight + layer, rtol=0, atol=0)
+            link.end_step()
+        lead = link.pool.members[0].lead
+        assert lead.fast_calls == 2 * 3 * len(layers)
+        [session] = list(loop._sessions.values())
+        assert session.fast_calls == 2 * 3 * len(layers)
+        calls, C, _ = session._prepared[0]  # the last step's: a reply for all but the last
+        assert C.lane_call_times(calls)[2] == len(layers) - 1
+        stats = link.stats
+        assert stats.layer_calls == 3 * len(layers) and stats.steps == 3
+        assert 0 < stats.send_s < stats.wait_s
+        assert link.round_trip.count == 3 * len(layers)
+        ffn_stats = loop.stats()
+        assert ffn_stats.layer_calls == 3 * len(layers) and ffn_stats.send_s > 0
+        assert loop.compute_hist.count == 3 * len(layers)
+        # Two micro-batches: the general path (ping-pong needs both in flight).
+        link.begin_step(StepPlan(num_tokens=(2, 3)))
+        assert link._fast is None
+        hidden = [torch.randn(2, HIDDEN), torch.randn(3, HIDDEN)]
+        for layer in layers:
+            for u, h in enumerate(hidden):
+                out = link.exchange(layer, h, torch.empty_like(h), ubatch=u)
+                torch.testing.assert_close(out, h @ weight + layer, rtol=0, atol=0)
+        link.end_step()
+        calls, C, _ = lead._prepared[0]
+        assert C.lane_call_times(calls)[2] == 0  # prepared, not used
+        assert link.stats.steps == 4
+    finally:
+        link.close()
+        loop.stop()
