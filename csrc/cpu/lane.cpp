@@ -27,6 +27,9 @@
 // msgpack (msgspec decodes non-minimal integers), so the Python path reads
 // them too.
 //
+// A step's layer calls can also be prepared once and then made with four
+// numbers per message end (lane_calls.cpp); the Lane itself is in lane.h.
+//
 // Waiting (spin, then sleep on the socket) is the doorbell's
 // (afd_doorbell_wait, doorbell.cpp), with the backoff of preempted spins kept
 // here per lane. Sequence counters live here too, so the Python path and the
