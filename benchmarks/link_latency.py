@@ -4,7 +4,11 @@
 
 The attention side (this process, core 0) sends one micro-batch's hidden
 states and waits for the answer; an echo FFN (another process, core 1) sends
-every hidden state straight back: the link's own cost, no compute. Each size
+every hidden state straight back: the link's own cost, no compute. Twice: as
+the attention link makes a layer call of a one-micro-batch step (`round_trip`:
+the connector's prepared calls where it has them, shm) and through
+send_hidden + recv_output (`round_trip_general`: micro-batched steps); the
+echo answers as the FFN loop does (reply_and_recv). Each size
 runs `--iters` round trips after a warm-up; median, p10 and p99 are reported.
 Then the idle cost: the echo FFN waits for a step that does not come for
 `--idle-s` seconds, and the CPU time it burns meanwhile is measured (a link
@@ -77,9 +81,26 @@ def echo_ffn(connector: str, port: int, extra: dict, idle_s: float, report) -> N
             if step.is_goodbye or step.is_shutdown:
                 break
             continue
-        for layer in range(LAYERS):
-            ffn.send_output(0, layer, 0, ffn.recv_hidden(0, layer, 0))
+        # As the FFN loop does: each output sent and the next call's hidden
+        # states received in one connector call (prepared calls on shm).
+        h = ffn.recv_hidden(0, 0, 0)
+        for layer in range(LAYERS - 1):
+            h = ffn.reply_and_recv(0, layer, 0, h, layer + 1, 0)
+        ffn.send_output(0, LAYERS - 1, 0, h)
     ffn.close()
+
+
+def layer_call(attn, layer: int, h, out, prepared: bool) -> None:
+    """One layer call: prepared calls (what the attention link uses for steps
+    of one micro-batch, where the connector has them) or send_hidden +
+    recv_output (micro-batched steps, other connectors)."""
+    if prepared and attn.prepared_send(layer, 0, h, out):
+        if attn.prepared_recv(layer, 0, out):
+            return
+        attn.recv_output(layer, 0, out=out)
+        return
+    attn.send_hidden(layer, 0, h)
+    attn.recv_output(layer, 0, out=out)
 
 
 def measure(connector: str, extra: dict, iters: int, idle_s: float) -> dict:
@@ -97,32 +118,33 @@ def measure(connector: str, extra: dict, iters: int, idle_s: float) -> dict:
     attn = create_connector(config("attention", connector, port, extra), hidden_size=HIDDEN,
                             dtype=torch.bfloat16, max_tokens=max(TOKENS))
     attn.connect()
-    sizes, step = {}, 1
+    paths = {"round_trip": True, "round_trip_general": False}
+    results, step = {}, 1
     try:
-        for tokens in TOKENS:
-            h = torch.randn(tokens, HIDDEN).to(torch.bfloat16)
-            out = torch.empty_like(h)
-            times = []
-            for i in range(iters + iters // 10):
-                layer = i % LAYERS
-                if layer == 0:
-                    attn.send_step(StepHeader(step_id=step, num_tokens=[tokens]))
-                    step += 1
-                t0 = time.perf_counter()
-                attn.send_hidden(layer, 0, h)
-                attn.recv_output(layer, 0, out=out)
-                dt = time.perf_counter() - t0
-                # The first call of a step waits while the FFN reads the step header.
-                if i >= iters // 10 and layer:
-                    times.append(dt)
-            for layer in range((iters + iters // 10) % LAYERS or LAYERS, LAYERS):
-                attn.send_hidden(layer, 0, h)  # finish the step
-                attn.recv_output(layer, 0, out=out)
-            times.sort()
-            sizes[str(tokens * HIDDEN * 2)] = {
-                "tokens": tokens, "median_us": statistics.median(times) * 1e6,
-                "p10_us": times[len(times) // 10] * 1e6,
-                "p99_us": times[min(len(times) - 1, int(len(times) * 0.99))] * 1e6}
+        for key, prepared in paths.items():
+            sizes = results[key] = {}
+            for tokens in TOKENS:
+                h = torch.randn(tokens, HIDDEN).to(torch.bfloat16)
+                out = torch.empty_like(h)
+                times = []
+                for i in range(iters + iters // 10):
+                    layer = i % LAYERS
+                    if layer == 0:
+                        attn.send_step(StepHeader(step_id=step, num_tokens=[tokens]))
+                        step += 1
+                    t0 = time.perf_counter()
+                    layer_call(attn, layer, h, out, prepared)
+                    dt = time.perf_counter() - t0
+                    # The first call of a step waits while the FFN reads the step header.
+                    if i >= iters // 10 and layer:
+                        times.append(dt)
+                for layer in range((iters + iters // 10) % LAYERS or LAYERS, LAYERS):
+                    layer_call(attn, layer, h, out, prepared)  # finish the step
+                times.sort()
+                sizes[str(tokens * HIDDEN * 2)] = {
+                    "tokens": tokens, "median_us": statistics.median(times) * 1e6,
+                    "p10_us": times[len(times) // 10] * 1e6,
+                    "p99_us": times[min(len(times) - 1, int(len(times) * 0.99))] * 1e6}
         attn.send_step(StepHeader(step_id=step, num_tokens=[0]))
         assert parent.recv() == "idle"
         time.sleep(idle_s)
@@ -132,7 +154,9 @@ def measure(connector: str, extra: dict, iters: int, idle_s: float) -> dict:
         attn.close()
         proc.join(30)
     idle["idle_cpu_percent"] = 100 * idle["idle_cpu_s"] / max(idle["idle_wall_s"], 1e-9)
-    return {"round_trip": sizes, "idle": idle}
+    if connector == "shm" and not attn.fast_calls:
+        raise RuntimeError("the shm connector's fast path was never taken")
+    return {**results, "idle": idle}
 
 
 def main(argv=None) -> int:
@@ -165,8 +189,10 @@ def main(argv=None) -> int:
               f"{res['idle']['idle_cpu_percent']:.1f} % of a core over "
               f"{res['idle']['idle_wall_s']:.1f} s")
         for nbytes, r in res["round_trip"].items():
+            g = res["round_trip_general"][nbytes]
             print(f"  {int(nbytes) >> 10:6d} KiB  median {r['median_us']:8.1f}  "
-                  f"p10 {r['p10_us']:8.1f}  p99 {r['p99_us']:8.1f}")
+                  f"p10 {r['p10_us']:8.1f}  p99 {r['p99_us']:8.1f}   send_hidden + "
+                  f"recv_output: median {g['median_us']:8.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     print(f"[bench-link] wrote {args.out}")
