@@ -22,8 +22,9 @@ from vllm.afd.transport.connectors.base import AFDConnectionError
 from vllm.afd.transport.wire import StepHeader
 
 
-def reply_echo(ffn, layers: int) -> int:
-    """Serve one-micro-batch steps through reply_and_recv (output = 2h + layer)."""
+def reply_echo(ffn, layers: int, posted: list | None = None) -> int:
+    """Serve one-micro-batch steps through reply_and_recv (output = 2h + layer);
+    posted: gets each step's count of prepared sends."""
     steps = 0
     while True:
         step = ffn.recv_step(0)
@@ -36,6 +37,9 @@ def reply_echo(ffn, layers: int) -> int:
                 h = ffn.reply_and_recv(0, layer, 0, out, layer + 1, 0)
             else:
                 ffn.send_output(0, layer, 0, out)
+        if posted is not None:
+            prepared, C, _ = ffn._prepared[0]
+            posted.append(C.lane_call_times(prepared)[2])
         steps += 1
 
 
@@ -68,24 +72,24 @@ def test_prepared_calls_carry_every_layer_call_and_count_like_the_general_path()
     equal those of the same steps through the general path."""
     steps, layers = [3, 1, 16, 7], 4
     ffn, attn = pair(spin_us=20_000)
-    server = Background(reply_echo, ffn, layers)
+    posted = []
+    server = Background(reply_echo, ffn, layers, posted)
     try:
         prepared_steps(attn, steps, layers)
         calls = len(steps) * layers
         assert attn.fast_calls == 2 * calls
-        # The FFN's first receive of a step is recv_hidden's fast path, its last
-        # send send_output's; everything between is reply_and_recv's.
-        assert ffn.fast_calls == 2 * calls
         c_calls, send_ns, wait_ns = (attn._prepared[0][1].lane_call_times(
             attn._prepared[0][0])[i] for i in (2, 0, 1))
         assert c_calls == layers and send_ns > 0 and wait_ns > 0  # the last step's
         assert attn.take_exchange_send_s() == pytest.approx(send_ns * 1e-9)
         assert attn.take_exchange_send_s() == 0.0  # taken
-        calls, C, _ = ffn._prepared[0]  # the last step's: a reply for all but the last
-        assert C.lane_call_times(calls)[2] == layers - 1
     finally:
         attn.close()
         assert server.join_result() == len(steps)
+    # The FFN's first receive of a step is recv_hidden's fast path, its last
+    # send send_output's; everything between is reply_and_recv's.
+    assert ffn.fast_calls == 2 * calls
+    assert posted == [layers - 1] * len(steps)  # a reply for every call but the last
     ffn.close()
     ffn2, attn2 = pair(spin_us=20_000)
     server = Background(reply_echo, ffn2, layers)
@@ -228,6 +232,10 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps():
                 assert link.exchange(layer, h, out) is out
                 torch.testing.assert_close(out, h @ weight + layer, rtol=0, atol=0)
             link.end_step()
+        # The FFN counts a step after its last answer: wait for it to get there.
+        deadline = time.monotonic() + 10
+        while loop.stats().steps < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         lead = link.pool.members[0].lead
         assert lead.fast_calls == 2 * 3 * len(layers)
         [session] = list(loop._sessions.values())
