@@ -62,6 +62,7 @@ class Story:
         self.ffn_server: Server | None = None
         self.attn: Server | None = None
         self.count = 0
+        self.extra_env: dict[str, str] = {}  # of the servers started next
 
     def afd(self, **extra) -> str:
         return json.dumps({"connector": "shm", "port": self.port, "timeout_s": TIMEOUT_S,
@@ -75,7 +76,8 @@ class Story:
         return self._start(Server(str(self.model), [
             *COMMON, "--afd-role", "ffn", "--afd-config", self.afd()],
             log_path=self.logs / f"{name or self.name('ffn')}.log",
-            env={"VLLM_CPU_OMP_THREADS_BIND": cpu(1)}, name=name or "FFN server"))
+            env={"VLLM_CPU_OMP_THREADS_BIND": cpu(1), **self.extra_env},
+            name=name or "FFN server"))
 
     def attention(self, name: str | None = None, model: Path | None = None,
                   **extra) -> Server:
@@ -84,8 +86,8 @@ class Story:
         return self._start(Server(str(model), [
             *COMMON, *engine_cli_args(model), "--afd-role", "attention",
             "--afd-config", self.afd(**extra)],
-            log_path=self.logs / f"{name}.log", env={"VLLM_CPU_OMP_THREADS_BIND": cpu(0)},
-            name=name))
+            log_path=self.logs / f"{name}.log",
+            env={"VLLM_CPU_OMP_THREADS_BIND": cpu(0), **self.extra_env}, name=name))
 
     def _start(self, server: Server) -> Server:
         self.servers.append(server.start())
@@ -109,6 +111,21 @@ class Story:
         self.attn.wait_ready()
         wait_health(self.attn, 200, timeout=30)
         return self.attn, ffn
+
+    def real_spawn_pair(self) -> tuple[Server, Server]:
+        """A fresh pair whose engine processes start as vLLM starts them
+        (spawn), for the tests that SIGTERM a server and require exit 0. A
+        forked engine core (VLLM_AFD_TEST_FORK_SPAWN, tools/preload.py)
+        inherits the API server's listening socket, and vLLM's shutdown looks
+        up who holds that port: a forked child exiting right then made the
+        lookup raise (psutil.ZombieProcess), exit 1. Spawned ones hold nothing."""
+        self.stop(self.attn)
+        self.stop(self.ffn_server)
+        self.extra_env = {"VLLM_AFD_TEST_FORK_SPAWN": "0"}
+        try:
+            return self.pair()
+        finally:
+            self.extra_env = {}
 
     def stop(self, server: Server | None) -> None:
         if self.running(server):
@@ -302,7 +319,7 @@ def stop_and_check(server: Server) -> None:
 def test_sigterm_attention_first(story):
     """The attention server goes first: the FFN notices at once, goes back to
     waiting and serves the next attention server."""
-    attn, ffn = story.pair()
+    attn, ffn = story.real_spawn_pair()
     stop_and_check(attn)
     t0 = time.monotonic()
     while json.loads(ffn.get("/afd/status")[1])["workers"][0]["serving"]:
@@ -315,7 +332,7 @@ def test_sigterm_attention_first(story):
 def test_sigterm_ffn_first(story):
     """The FFN goes first: the attention server notices within a second or
     two, stays up (503), then exits cleanly on its own SIGTERM."""
-    attn, ffn = story.pair()
+    attn, ffn = story.real_spawn_pair()
     stop_and_check(ffn)
     wait_health(attn, 503, timeout=5)
     stop_and_check(attn)
