@@ -85,7 +85,7 @@ void put_layer(uint8_t* header, Py_ssize_t at, unsigned long layer) {
 
 // frames: a sequence (one per micro-batch) of None or (template bytes,
 // step_at, layer_at, ubatch_at, slot address, nbytes).
-bool load_frames(PyObject* frames, Frame* out, unsigned long long step, int* count) {
+bool load_frames(PyObject* frames, Frame* out, unsigned long long step) {
   PyObject* seq = PySequence_Fast(frames, "lane_prepare: frames must be a sequence");
   if (seq == nullptr) return false;
   const Py_ssize_t n = PySequence_Size(seq);
@@ -126,7 +126,6 @@ bool load_frames(PyObject* frames, Frame* out, unsigned long long step, int* cou
     Py_DECREF(item);
   }
   Py_DECREF(seq);
-  *count = static_cast<int>(n);
   return true;
 }
 
@@ -186,8 +185,7 @@ PyObject* lane_prepare(PyObject*, PyObject* args) {
   Prepared* p = new (memory) Prepared();
   p->owner = nullptr;
   p->lane_capsule = nullptr;
-  int n_send = 0, n_recv = 0;
-  if (!load_frames(sends, p->send, step, &n_send) || !load_frames(recvs, p->recv, step, &n_recv)) {
+  if (!load_frames(sends, p->send, step) || !load_frames(recvs, p->recv, step)) {
     p->~Prepared();
     free(memory);
     return nullptr;
