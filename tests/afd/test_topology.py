@@ -363,6 +363,9 @@ def test_ffn_loop_unpacks_two_peers_fp8_rows_into_one_mlp_call():
     loop = FFNLoop(LinkConfig(role="ffn", **cfg), layers=[0, 1], compute=mlp,
                    hidden_size=hidden, dtype=dtype, max_tokens=16,
                    placement=FFNPlacement(rank=0, group=[0]), warmup_sizes=[])
+    # Lockstep, not timing: a call waits for the other peer's (2 ms by default,
+    # which four threads of one process sharing the GIL sometimes miss).
+    loop.batcher.window_s = 10.0
     loop.start(DeviceContext.current("cpu"))
     results, errors = {}, []
     both_in_step = threading.Barrier(2)
@@ -375,7 +378,9 @@ def test_ffn_loop_unpacks_two_peers_fp8_rows_into_one_mlp_call():
             g = torch.Generator().manual_seed(rank)
             conn.send_step(wire.StepHeader(step_id=0, num_tokens=[tokens[rank]]))
             both_in_step.wait(30)
-            time.sleep(0.3)  # both FFN peer threads are inside the step: lockstep
+            deadline = time.monotonic() + 30
+            while loop.batcher.active != {0, 1} and time.monotonic() < deadline:
+                time.sleep(0.01)  # both FFN peer threads are inside the step
             for layer in (0, 1):
                 h = (torch.randn(tokens[rank], hidden, generator=g) * 5).to(dtype)
                 conn.send_hidden(layer, 0, h)

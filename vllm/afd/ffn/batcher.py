@@ -182,8 +182,9 @@ class LayerBatcher:
 
     def compute(self, layer: int, h: "torch.Tensor | Packed", peer: int,
                 routing: Routing | None = None) -> torch.Tensor:
-        if h.shape[0] > self.max_tokens:  # the connector's checks make this impossible
-            raise ValueError(f"AFD FFN: a call of {h.shape[0]} tokens from attention rank "
+        rows = h.shape[0]
+        if rows > self.max_tokens:  # the connector's checks make this impossible
+            raise ValueError(f"AFD FFN: a call of {rows} tokens from attention rank "
                              f"{peer}; the FFN is sized for {self.max_tokens}")
         if self.role == "alone":
             # A lone peer's call (nobody else inside a step, nothing pending or
@@ -202,8 +203,8 @@ class LayerBatcher:
                     out = (self.run_mlp(layer, x) if routing is None
                            else self.run_mlp(layer, x, routing))
                     self.batches += 1
-                    if x.shape[0] > self.largest:
-                        self.largest = x.shape[0]
+                    if rows > self.largest:
+                        self.largest = rows
                 finally:
                     with self._lock:
                         self.calls += 1

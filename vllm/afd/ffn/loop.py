@@ -405,34 +405,37 @@ class FFNLoop:
                      if not (from_layer and layer_idx < from_layer[u])]
             batcher.begin(peer)
             t_step = now()
-            tokens = routed = 0
+            routed_topk = self.routing_topk
+            last = len(calls) - 1
             h = None  # the next call's hidden states, when already received
+            # Between a received call and its mlp, and between the mlp and its
+            # reply, as little as possible: after an mlp has streamed its
+            # weights through the caches every Python line costs ~1 us, on the
+            # path both sides wait on. So no per-call counting here (the
+            # step's counts come after it).
             try:
                 for i, (layer_idx, u) in enumerate(calls):
-                    t0 = now()
                     if h is None:
+                        t0 = now()
                         # fp8 hidden states stay packed: the batcher unpacks
                         # them straight into the joined MoE input.
                         h = conn.recv_hidden(peer, layer_idx, u, defer=True)
+                        stats.wait_s += now() - t0
                     # Without routed layers no routing can come (the connector
                     # was built without: routing_topk 0).
-                    routing = (self._routing_of(conn, peer, layer_idx, u) if self.routing_topk
+                    routing = (self._routing_of(conn, peer, layer_idx, u) if routed_topk
                                else None)
-                    t1 = now()
                     try:
                         out = batcher.compute(layer_idx, h, peer, routing)
                     except (FFNComputeError, PlanError) as e:
                         # The attention side fails with this text, not "goodbye".
                         conn.report_error(str(e))
                         raise
-                    tokens += num_tokens[u]
-                    routed += routing is not None
-                    stats.wait_s += t1 - t0
-                    t2 = now()
                     h = None
                     if not answer:
                         continue
-                    if i + 1 < len(calls):
+                    t2 = now()
+                    if i < last:
                         # This output and the next call's hidden states in one go
                         # (one C call on shm): all of it counted as waiting here,
                         # its sending part moved to send_s when the step ends.
@@ -450,8 +453,9 @@ class FFNLoop:
             stats.step_wall_s += now() - t_step
             stats.steps += 1
             stats.layer_calls += len(calls)
-            stats.routed_calls += routed
-            stats.tokens += tokens
+            if routed_topk:  # every call of a routed layer came with its routing
+                stats.routed_calls += sum(layer in self.routed_layers for layer, _ in calls)
+            stats.tokens += sum(num_tokens[u] for _, u in calls)
 
     def _routing_of(self, conn: AFDConnector, peer: int, layer_idx: int,
                     ubatch: int) -> Routing | None:

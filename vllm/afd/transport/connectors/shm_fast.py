@@ -116,7 +116,7 @@ class FastFrames:
         self.fast_calls = 0  # layer-call message ends taken by the fast path (tests)
         # peer -> the step's prepared calls: (lane_calls capsule, its module,
         # per micro-batch (rows, bytes sent, bytes received, [rows, hidden],
-        # the received slot's tensor on the FFN side, (rows, hidden))), or None
+        # the received slot's tensor on the FFN side, payload bytes sent)), or None
         self._prepared: dict[int, tuple | None] = {}
         self._prepared_send_ns: dict[int, int] = {}  # send time already reported
 
@@ -210,7 +210,7 @@ class FastFrames:
                           in_t[4] + overhead + len(in_t[0]), shape,
                           None if self.is_attention else self._rx[peer].read(u, self.dtype,
                                                                             shape),
-                          (rows, self.hidden_size)))
+                          out_t[4]))
         calls = link.C.lane_prepare(link, link.lane, step.step_id, link.spin_ns,
                                     link.fast_wait_ms, sends, recvs)
         self._prepared[peer] = (calls, link.C, sizes)
@@ -241,10 +241,12 @@ class FastFrames:
             return False
         calls, C, sizes = prepared
         size = sizes[ubatch_id]
-        shape, dtype = size[5], self.dtype
-        # Inline checks: a Python call costs microseconds on a cold cache.
+        nbytes, dtype = size[5], self.dtype
+        # Inline checks: a Python call costs microseconds on a cold cache. What
+        # the copies need (host memory, contiguous, the slot's byte count) and
+        # the dtype; nbytes, not shape: a tuple compare costs 4x an attribute.
         if not (h.dtype == dtype and out.dtype == dtype and h.is_cpu and out.is_cpu
-                and h.shape == shape and out.shape == shape and h.is_contiguous()
+                and h.nbytes == nbytes and out.nbytes == nbytes and h.is_contiguous()
                 and out.is_contiguous()):
             return False
         if C.lane_post_call(calls, ubatch_id, layer_id, h.data_ptr()) == 1:
@@ -255,12 +257,17 @@ class FastFrames:
 
     def prepared_recv(self, layer_id: int, ubatch_id: int, out: torch.Tensor) -> bool:
         calls, C, sizes = self._prepared[0]
+        size = sizes[ubatch_id]
+        # Counted before, so that nothing stands between the output's arrival
+        # and the caller; undone when it does not come.
+        self.bytes_received += size[2]
+        self.fast_calls += 1
         if C.lane_take_call(calls, ubatch_id, layer_id, out.data_ptr()):
-            self.bytes_received += sizes[ubatch_id][2]
-            self.fast_calls += 1
             return True
+        self.bytes_received -= size[2]
+        self.fast_calls -= 1
         # The general receive takes over (recv_output: its wait, its errors).
-        self._in_flight.append((layer_id, ubatch_id, sizes[ubatch_id][3]))
+        self._in_flight.append((layer_id, ubatch_id, size[3]))
         return False
 
     def take_exchange_send_s(self) -> float:
@@ -318,26 +325,32 @@ class FastFrames:
                                           next_ubatch)
         calls, C, sizes = prepared
         size = sizes[ubatch_id]
-        # Inline checks: a Python call costs microseconds on a cold cache.
-        if not (out.dtype == self.dtype and out.is_cpu and out.shape == size[5]
+        # Inline checks (see prepared_send): a Python call costs microseconds on
+        # a cold cache.
+        if not (out.dtype == self.dtype and out.is_cpu and out.nbytes == size[5]
                 and out.is_contiguous()) or C.lane_post_call(calls, ubatch_id, layer_id,
                                                              out.data_ptr()) == 1:
             return super().reply_and_recv(peer, layer_id, ubatch_id, out, next_layer,
                                           next_ubatch)
-        # Sent. The bookkeeping now, while the attention side computes; the
-        # receive's return is kept short (it is on the way to the next mlp).
+        # Sent. All the bookkeeping now, while the attention side computes, the
+        # receive's as if it will succeed (undone below when it does not): after
+        # the receive, only the return stands between it and the next mlp.
         self.bytes_sent += size[1]
         del awaiting[key]
-        self._routings.pop(key, None)
+        routings = self._routings
+        routings.pop(key, None)
         _, _, received, shape, view, _ = sizes[next_ubatch]
+        key = (peer, next_ubatch)
+        awaiting[key] = (next_layer, shape)
+        routings[key] = None
+        self.bytes_received += received
+        self.fast_calls += 2
         if C.lane_take_call(calls, next_ubatch, next_layer, 0):
-            self.bytes_received += received
-            self.fast_calls += 2
-            key = (peer, next_ubatch)
-            awaiting[key] = (next_layer, shape)
-            self._routings[key] = None
             return view
-        self.fast_calls += 1
+        del awaiting[key]
+        del routings[key]
+        self.bytes_received -= received
+        self.fast_calls -= 1
         return self.recv_hidden(peer, next_layer, next_ubatch, defer=True)
 
     def take_reply_send_s(self, peer: int) -> float:
