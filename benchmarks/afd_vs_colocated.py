@@ -302,6 +302,7 @@ def summarize(args: argparse.Namespace, plain: dict, afd: dict[int, dict], floor
             s["split_ms"]["ffn_outside_mlp_us_per_layer"] = (
                 s["split_ms"]["ffn_outside_mlp"] / model_facts(args.model)["num_hidden_layers"]
                 * 1e3 / m)
+            s["spin"] = spin_counts(runs)
             per_b[b] = s
         configs[name] = {"num_ubatches": m, "ubatch_policy": policy,
                          "label": f"m={m}" if policy == "fixed" else "auto",
@@ -324,6 +325,16 @@ def summarize(args: argparse.Namespace, plain: dict, afd: dict[int, dict], floor
         "plain": {"engine": plain["engine"], "batches": plain_by_b},
         "afd": configs, "overlap_bound": bound, "transfer_floor": floor,
     }
+
+
+def spin_counts(runs: list[dict]) -> dict:
+    """Each side's spin preemptions and backoffs over the median run's decode
+    steps: after a backoff a side's waits sleep for a second (doorbell.py), and
+    link/layer jumps by the wake-ups; nonzero explains a slow run."""
+    run = median_run(runs)
+    return {side: {"preemptions": run[side].get("spin_preemptions", 0),
+                   "backoffs": run[side].get("spin_backoffs", 0)}
+            for side in ("attention", "ffn")}
 
 
 def chosen_ubatches(document: dict | None, b: int) -> int | None:
@@ -481,6 +492,17 @@ def print_split(res: dict) -> None:
                   + f" {sp['link_us_per_layer']:>8.0f}us"
                   + (f" {sp['ffn_outside_mlp_us_per_layer']:>12.0f}us"
                      if "ffn_outside_mlp_us_per_layer" in sp else ""))
+    spins = []
+    for cfg in res["afd"].values():
+        for b, r in cfg["batches"].items():
+            s = r.get("spin")
+            if s and any(v for side in s.values() for v in side.values()):
+                a, f = s["attention"], s["ffn"]
+                spins.append(f"{cfg.get('label', cfg['num_ubatches'])} B={b}: attention "
+                             f"{a['preemptions']}/{a['backoffs']}, FFN "
+                             f"{f['preemptions']}/{f['backoffs']}")
+    print("\nspin preemptions/backoffs in the decode steps (a backoff: that side's waits sleep "
+          "for 1 s): " + ("; ".join(spins) if spins else "none"))
     print("\n(link/layer: the attention side's wait on the link beyond the FFN's compute, per "
           "layer: (blocked - ffn) / layers;\nwith m > 1 the FFN computes while attention does, "
           "so it is a lower bound there;\nffn-other/call: ffn-other per layer call (layer x micro-batch), part of link/layer at m = 1)")

@@ -17,6 +17,7 @@ from test_doorbell import pair
 from vllm.afd.attention.link import AttentionLink, StepPlan
 from vllm.afd.ffn.loop import FFNLoop
 from vllm.afd.topology import FFNPlacement
+from vllm.afd.transport import doorbell
 from vllm.afd.transport.config import LinkConfig
 from vllm.afd.transport.connectors.base import AFDConnectionError
 from vllm.afd.transport.wire import StepHeader
@@ -200,7 +201,8 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps():
     """A real FFN loop and attention link over shm: steps of one micro-batch
     go through prepared calls on both sides (all but a step's first receive
     and last send on the FFN), give the FFN's results, and their time is
-    split into sending and waiting as the general path's is."""
+    split into sending and waiting as the general path's is; each side counts
+    its spins' preemptions and backoffs in its link statistics."""
     from test_connectors import free_port
 
     port = free_port()
@@ -249,6 +251,27 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps():
         ffn_stats = loop.stats()
         assert ffn_stats.layer_calls == 3 * len(layers) and ffn_stats.send_s > 0
         assert loop.compute_hist.count == 3 * len(layers)
+        # Spins that lost their core land in each side's link statistics (lane_preempted
+        # notes one as the C wait does; three within a second make a backoff).
+        lane_C = doorbell.lane_module()
+        before = (stats.spin_preemptions, stats.spin_backoffs,
+                  ffn_stats.spin_preemptions, ffn_stats.spin_backoffs)
+        t = time.monotonic_ns()
+        for i in range(3):
+            lane_C.lane_preempted(lead._links[0].lane, t + i)
+        lane_C.lane_preempted(session._links[0].lane, t)
+        link.begin_step(StepPlan(num_tokens=(4,)))
+        h = torch.randn(4, HIDDEN)
+        for layer in layers:
+            link.exchange(layer, h, torch.empty_like(h))
+        link.end_step()
+        while loop.stats().steps < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ffn_stats = loop.stats()
+        after = (stats.spin_preemptions, stats.spin_backoffs,
+                 ffn_stats.spin_preemptions, ffn_stats.spin_backoffs)
+        # At least: this host's scheduler may preempt a spin of its own meanwhile.
+        assert all(a - b >= n for a, b, n in zip(after, before, (3, 1, 1, 0))), (before, after)
         # Two micro-batches: the general path (ping-pong needs both in flight).
         link.begin_step(StepPlan(num_tokens=(2, 3)))
         assert link._fast is None
@@ -260,7 +283,7 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps():
         link.end_step()
         calls, C, _ = lead._prepared[0]
         assert C.lane_call_times(calls)[2] == 0  # prepared, not used
-        assert link.stats.steps == 4
+        assert link.stats.steps == 5
     finally:
         link.close()
         loop.stop()

@@ -108,6 +108,7 @@ class AttentionLink:
         self.plan: StepPlan | None = None  # the step in progress
         self.dummy_runs: dict[str, int] = {}  # runs per kind that never touched the link
         self.stats = LinkStats()
+        self._spin_link, self._spin_seen = None, [0, 0]  # see end_step
         self.round_trip = Histogram(LATENCY_BUCKETS_S)
         # Failovers: a member lost mid-step, the step finished on another one.
         self.failovers = 0
@@ -472,6 +473,11 @@ class AttentionLink:
         self._round_trips.clear()
         if plan is None or not plan.is_real:
             return  # dummy runs never time a micro-batch choice
+        lead = member.lead if member is not None else None
+        if lead is not None:  # the spin counters of the lead's link (a new one from 0)
+            if self._spin_link is not lead:
+                self._spin_link, self._spin_seen = lead, [0, 0]
+            self.stats.add_spin(self._spin_seen, lead.spin_counters())
         if self.ubatch_rule is not None:
             self.ubatch_rule.finish_step(ok=self._step_calls_left == 0 and not failed)
         if self._step_calls_left == 0 and not failed:

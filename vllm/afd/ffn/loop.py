@@ -393,6 +393,7 @@ class FFNLoop:
         elsewhere."""
         answer, batcher = self.placement.is_lead, self.batcher
         stats = self.peer_stats.setdefault(peer, LinkStats())
+        spin_seen = [0, 0]  # this session's connector's spin counters, counted so far
         while not self.stop_event.is_set():
             header = conn.recv_step(peer)
             if header.is_goodbye or header.is_shutdown:
@@ -456,6 +457,7 @@ class FFNLoop:
             if routed_topk:  # every call of a routed layer came with its routing
                 stats.routed_calls += sum(layer in self.routed_layers for layer, _ in calls)
             stats.tokens += sum(num_tokens[u] for _, u in calls)
+            stats.add_spin(spin_seen, conn.spin_counters(peer))
 
     def _routing_of(self, conn: AFDConnector, peer: int, layer_idx: int,
                     ubatch: int) -> Routing | None:

@@ -30,6 +30,18 @@ class LinkStats:
     compute_s: float = 0.0  # FFN: mlp compute
     wait_s: float = 0.0  # attention: waiting for outputs; FFN: for hidden states
     send_s: float = 0.0
+    # This side's waits on the link: spins that lost their core (the scheduler
+    # ran something else) and the times that turned spinning off for a while,
+    # so the waits slept (shm; a step's link time jumps then).
+    spin_preemptions: int = 0
+    spin_backoffs: int = 0
+
+    def add_spin(self, seen: list[int], counters: tuple[int, int]) -> None:
+        """Count a connector's cumulative spin counters since seen (updated in
+        place; [0, 0] for a new connector)."""
+        self.spin_preemptions += counters[0] - seen[0]
+        self.spin_backoffs += counters[1] - seen[1]
+        seen[:] = counters
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -316,6 +316,12 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
             logger.debug("%s closed (sent %d bytes, received %d bytes)", self.me,
                          self.bytes_sent, self.bytes_received)
 
+    def spin_counters(self, peer: int = 0) -> tuple[int, int]:
+        """(preempted spins, spin backoffs) of the link to peer so far: waits
+        whose spin lost its core, and the times that turned spinning off for a
+        while (doorbell.py). 0, 0 for connectors that do not spin."""
+        return 0, 0
+
     def report_error(self, text: str) -> None:
         """Tell every peer this side hit a fatal error; the connector is then
         unusable. Use it when the model fails mid-step so the peer fails fast,

@@ -312,6 +312,13 @@ class ShmConnector(FastFrames, TcpConnector):
             segment.unlink()
 
     # ------------------------------------------------------------------ frames
+    def spin_counters(self, peer: int = 0) -> tuple[int, int]:
+        link = self._links.get(peer)
+        if type(link) is not doorbell.RingLink:
+            return 0, 0
+        counters = link.counters
+        return counters["preempted_spins"], counters["spin_backoffs"]
+
     def _slots(self, table: dict[int, HostSlots], peer: int) -> HostSlots:
         try:
             return table[peer]
