@@ -29,11 +29,26 @@ class _Recorder:
         self.calls: list[tuple[int, tuple]] = []
         self.lock = threading.Lock()
 
+    partner: "_Recorder | None" = None  # see meet()
+
     def __call__(self, layer, x, routing=None):
         with self.lock:
             self.calls.append((layer, tuple(x[:, 0].tolist())))
         time.sleep(random.random() * 0.002)  # the mlp takes a while
+        self.meet()
         return x * 2 + layer
+
+    def meet(self, timeout_s: float = 10.0) -> None:
+        """With a partner (the other worker of a group): return only once it
+        made this many calls too, as vLLM's collectives inside a real mlp make
+        the workers meet. Without it the lead could answer, and the attention
+        side send the next layer into the slot a lagging follower has yet to
+        read (shm hands the FFN a view of its slot)."""
+        if self.partner is None:
+            return
+        n, deadline = len(self.calls), time.monotonic() + timeout_s
+        while len(self.partner.calls) < n and time.monotonic() < deadline:
+            time.sleep(0.0005)
 
 
 def _pair(max_tokens=8, timeout_s=10.0, window_s=0.003):
@@ -177,6 +192,7 @@ def test_two_ffn_workers_serve_two_attention_ranks_alike(connector):
                num_ffn_ranks=2)
     channel = QueueChannel()
     mlps = [_Recorder(), _Recorder()]
+    mlps[0].partner, mlps[1].partner = mlps[1], mlps[0]  # their mlp calls meet
     loops = [FFNLoop(LinkConfig(role="ffn", **cfg), layers=[0, 1, 2], compute=mlps[rank],
                      hidden_size=HIDDEN, dtype=torch.float32, max_tokens=16,
                      placement=FFNPlacement(rank=rank, group=[0, 1]), warmup_sizes=[],
