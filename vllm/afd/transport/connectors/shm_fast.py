@@ -243,8 +243,9 @@ class FastFrames:
         size = sizes[ubatch_id]
         nbytes, dtype = size[5], self.dtype
         # Inline checks: a Python call costs microseconds on a cold cache. What
-        # the copies need (host memory, contiguous, the slot's byte count) and
-        # the dtype; nbytes, not shape: a tuple compare costs 4x an attribute.
+        # the copies need (host memory, contiguous, the slot's byte count: the
+        # same both ways, the fast path's transfer is exact) and the dtype;
+        # nbytes, not shape: a tuple compare costs 4x an attribute.
         if not (h.dtype == dtype and out.dtype == dtype and h.is_cpu and out.is_cpu
                 and h.nbytes == nbytes and out.nbytes == nbytes and h.is_contiguous()
                 and out.is_contiguous()):
