@@ -92,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "own here, and a wait spans the other side's compute of a layer, "
                          "several ms on this CPU; default: %(default)s, 0: the connector's "
                          "default)")
+    ap.add_argument("--reprint", type=Path, metavar="JSON",
+                    help="no run: print a saved result's tables again, with the columns this "
+                         "code adds (written back into the JSON)")
     ap.add_argument("--worker", choices=["llm", "floor"], help=argparse.SUPPRESS)
     ap.add_argument("--afd-config", help=argparse.SUPPRESS)
     ap.add_argument("--ffn-url", help=argparse.SUPPRESS)
@@ -102,7 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if not args.worker:
+    if not args.worker and not args.reprint:
         check_args(ap, args)
     return args
 
@@ -308,10 +311,7 @@ def summarize(args: argparse.Namespace, plain: dict, afd: dict[int, dict], floor
                          "label": f"m={m}" if policy == "fixed" else "auto",
                          "engine": run["engine"], "batches": per_b}
     bound = overlap_bound(configs, plain_by_b)
-    for cfg in configs.values():
-        for b, s in cfg["batches"].items():
-            if b in bound:
-                s["fraction_of_bound"] = s["tokens_per_s"] / bound[b]["tokens_per_s"]
+    add_fractions(configs, bound)
     return {
         "benchmark": NAME, "machine": machine_info(),
         "cores": {"plain": PLAIN_CORES, "afd_attention": ATTENTION_CORES,
@@ -367,6 +367,32 @@ def overlap_bound(configs: dict, plain_by_b: dict) -> dict:
                     "tokens_per_s": tokens_per_s,
                     "ratio_vs_plain": tokens_per_s / plain_by_b[b]["tokens_per_s"]}
     return bound
+
+
+def own_bound_ms(split: dict, m: int) -> float:
+    """A configuration's own pipeline bound: the step it would take with a
+    free link and perfect overlap of its micro-batches, from its own measured
+    compute (with the split's costs in it, unlike the overlap bound). m = 1:
+    nothing overlaps, attn + attn-out + ffn; m > 1: attn-out (no layer call in
+    flight then) + max(attn, ffn)."""
+    a, out, f = (split["attention_compute"], split["attention_outside_link"],
+                 split["ffn_compute"])
+    return out + (a + f if m == 1 else max(a, f))
+
+
+def add_fractions(configs: dict, bound: dict) -> None:
+    """Per configuration and B: the fraction of the overlap bound, and the
+    step against the configuration's own bound (how well its pipeline runs;
+    the rest of the gap to the bound is what splitting costs the compute)."""
+    for cfg in configs.values():
+        for b, s in cfg["batches"].items():
+            if b in bound:
+                s["fraction_of_bound"] = s["tokens_per_s"] / bound[b]["tokens_per_s"]
+            m = (s.get("chosen_ubatches") or 1 if cfg["ubatch_policy"] == "auto"
+                 else cfg["num_ubatches"])
+            own = own_bound_ms(s["split_ms"], min(m, int(b)))
+            s["own_bound"] = {"num_ubatches": min(m, int(b)), "step_ms": own,
+                              "fraction": own / s["split_ms"]["step"]}
 
 
 def core_text() -> str:
@@ -483,15 +509,18 @@ def print_split(res: dict) -> None:
           "FFN waiting for hidden states, ffn-other = the FFN loop's work\noutside the mlp (unpack, batch, copy out, send), floor = echo\nround trips, overhead = step - attn "
           "- attn-out - ffn - floor; negative: overlap):\n")
     print(f"{'m':>4} {'B':>4}" + "".join(f" {label:>9}" for _, label in SPLIT_COLUMNS)
-          + f" {'link/layer':>10} {'ffn-other/call':>14}")
+          + f" {'link/layer':>10} {'ffn-other/call':>14} {'own-bound':>9} {'of own':>6}")
     for cfg in res["afd"].values():
         for b, r in cfg["batches"].items():
             sp = r["split_ms"]
             print(f"{cfg.get('label', cfg['num_ubatches']):>4} {b:>4}"
-                  + "".join(f" {sp[key]:>9.2f}" for key, _ in SPLIT_COLUMNS)
+                  + "".join(f" {sp[key]:>9.2f}" if key in sp else f" {'-':>9}"
+                            for key, _ in SPLIT_COLUMNS)
                   + f" {sp['link_us_per_layer']:>8.0f}us"
                   + (f" {sp['ffn_outside_mlp_us_per_layer']:>12.0f}us"
-                     if "ffn_outside_mlp_us_per_layer" in sp else ""))
+                     if "ffn_outside_mlp_us_per_layer" in sp else f" {'-':>14}")
+                  + (f" {r['own_bound']['step_ms']:>9.2f} {r['own_bound']['fraction']:>6.0%}"
+                     if "own_bound" in r else ""))
     spins = []
     for cfg in res["afd"].values():
         for b, r in cfg["batches"].items():
@@ -505,7 +534,12 @@ def print_split(res: dict) -> None:
           "for 1 s): " + ("; ".join(spins) if spins else "none"))
     print("\n(link/layer: the attention side's wait on the link beyond the FFN's compute, per "
           "layer: (blocked - ffn) / layers;\nwith m > 1 the FFN computes while attention does, "
-          "so it is a lower bound there;\nffn-other/call: ffn-other per layer call (layer x micro-batch), part of link/layer at m = 1)")
+          "so it is a lower bound there;\nffn-other/call: ffn-other per layer call (layer x micro-batch), part of link/layer at m = 1;\n"
+          "own-bound: this configuration's step with a free link and perfect overlap of its own "
+          "measured compute\n(m = 1: attn-out + attn + ffn; m > 1: attn-out + max(attn, ffn)); "
+          "of own: own-bound / step, how well\nits pipeline runs. of bound = of own x bound / "
+          "own-bound: what the configuration's shape costs\n(at m = 1 no overlap, at m > 1 the "
+          "split's extra compute))")
 
 
 # ===================================================================== plot
@@ -756,6 +790,12 @@ def worker_floor(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.reprint:
+        res = json.loads(args.reprint.read_text())
+        add_fractions(res["afd"], res.get("overlap_bound", {}))
+        args.reprint.write_text(json.dumps(res, indent=2) + "\n")
+        print_tables(res)
+        return 0
     if args.worker is None:
         return main_bench(args)
     pin(args.cores)  # before torch starts any thread

@@ -11,11 +11,14 @@ import time
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from test_connectors import HIDDEN, Background
 from test_doorbell import pair
 
 from vllm.afd.attention.link import AttentionLink, StepPlan
 from vllm.afd.ffn.loop import FFNLoop
+from vllm.afd.observability.metrics import LinkCollector
 from vllm.afd.topology import FFNPlacement
 from vllm.afd.transport import doorbell
 from vllm.afd.transport.config import LinkConfig
@@ -272,6 +275,16 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps():
                  ffn_stats.spin_preemptions, ffn_stats.spin_backoffs)
         # At least: this host's scheduler may preempt a spin of its own meanwhile.
         assert all(a - b >= n for a, b, n in zip(after, before, (3, 1, 1, 0))), (before, after)
+        # ... and in /metrics, for both roles.
+        registry = CollectorRegistry()
+        registry.register(LinkCollector(lambda: [link.document(), loop.document()]))
+        spins = {(s.name, s.labels["role"]): s.value
+                 for family in text_string_to_metric_families(generate_latest(registry).decode())
+                 for s in family.samples if s.name.startswith("vllm_afd_spin_")}
+        assert spins == {("vllm_afd_spin_preemptions_total", "attention"): after[0],
+                         ("vllm_afd_spin_backoffs_total", "attention"): after[1],
+                         ("vllm_afd_spin_preemptions_total", "ffn"): after[2],
+                         ("vllm_afd_spin_backoffs_total", "ffn"): after[3]}
         # Two micro-batches: the general path (ping-pong needs both in flight).
         link.begin_step(StepPlan(num_tokens=(2, 3)))
         assert link._fast is None

@@ -505,6 +505,8 @@ class AttentionLink:
                 "bytes_sent": sum(m["bytes_sent"] for m in members),
                 "bytes_received": sum(m["bytes_received"] for m in members),
                 "steps": stats.steps, "layer_calls": stats.layer_calls, "tokens": stats.tokens,
+                "spin_preemptions": stats.spin_preemptions,
+                "spin_backoffs": stats.spin_backoffs,
                 "dummy_runs": dict(self.dummy_runs),
                 "layer_round_trip_seconds": self.round_trip.as_dict(),
                 "pool": members, "failovers": self.failovers,

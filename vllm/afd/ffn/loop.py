@@ -203,6 +203,8 @@ class FFNLoop:
                 "auth_failures": auth, "handshake_failures": handshake,
                 "bytes_sent": sent, "bytes_received": received, "steps": stats.steps,
                 "layer_calls": stats.layer_calls, "tokens": stats.tokens,
+                "spin_preemptions": stats.spin_preemptions,
+                "spin_backoffs": stats.spin_backoffs,
                 "ffn_layer_compute_seconds": self.compute_hist.as_dict(),
                 "ffn_tokens_per_layer_call": self.tokens_hist.as_dict()}
 

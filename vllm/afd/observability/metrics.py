@@ -115,6 +115,10 @@ class LinkCollector:
                 ("handshake_failures", "Peers refused because their handshake did not match"),
                 ("failovers", "Steps finished on another FFN pool member after one failed"),
                 ("resent_layer_calls", "Layer calls sent again to the member taking over"),
+                ("spin_preemptions", "Waits on the link whose spin lost its core (shm): the "
+                 "scheduler ran something else on it"),
+                ("spin_backoffs", "Times repeated preemptions turned the link's spinning off "
+                 "for a while, so its waits slept (shm)"),
             )}
         member_up = GaugeMetricFamily("vllm_afd_pool_member_up",
                                       "1 while this FFN pool member's link is up",
