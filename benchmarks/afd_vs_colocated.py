@@ -329,7 +329,7 @@ def summarize(args: argparse.Namespace, plain: dict, afd: dict[int, dict], floor
 
 def spin_counts(runs: list[dict]) -> dict:
     """Each side's spin preemptions and backoffs over the median run's decode
-    steps: after a backoff a side's waits sleep for a second (doorbell.py), and
+    steps: after a backoff a side's waits sleep for 0.1-1 s (doorbell.py), and
     link/layer jumps by the wake-ups; nonzero explains a slow run."""
     run = median_run(runs)
     return {side: {"preemptions": run[side].get("spin_preemptions", 0),
@@ -531,7 +531,7 @@ def print_split(res: dict) -> None:
                              f"{a['preemptions']}/{a['backoffs']}, FFN "
                              f"{f['preemptions']}/{f['backoffs']}")
     print("\nspin preemptions/backoffs in the decode steps (a backoff: that side's waits sleep "
-          "for 1 s): " + ("; ".join(spins) if spins else "none"))
+          "for 0.1-1 s): " + ("; ".join(spins) if spins else "none"))
     print("\n(link/layer: the attention side's wait on the link beyond the FFN's compute, per "
           "layer: (blocked - ffn) / layers;\nwith m > 1 the FFN computes while attention does, "
           "so it is a lower bound there;\nffn-other/call: ffn-other per layer call (layer x micro-batch), part of link/layer at m = 1;\n"

@@ -21,6 +21,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <stdint.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 
@@ -50,6 +51,22 @@ int64_t now_ns() {
   return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
+// This thread's involuntary context switches so far: the times the kernel
+// took its core for another runnable thread (-1 where unknown).
+int64_t involuntary_switches() {
+#ifdef RUSAGE_THREAD
+  rusage usage;
+  if (getrusage(RUSAGE_THREAD, &usage) == 0) return usage.ru_nivcsw;
+#endif
+  return -1;
+}
+
+// Whether a gap in a spin was the kernel giving the core to another thread:
+// an involuntary context switch since `before` (or `before` unknown: -1).
+bool lost_core(int64_t before) {
+  return before < 0 || involuntary_switches() != before;
+}
+
 bool changed(const uint32_t* word, uint32_t seen) {
   return __atomic_load_n(word, __ATOMIC_SEQ_CST) != seen;
 }
@@ -72,7 +89,7 @@ bool drain(int fd) {
 extern "C" {
 
 // Wait until *word != seen. Spin for up to spin_ns (or until the spinning
-// thread is preempted: the core is wanted elsewhere), then sleep on fd
+// thread is preempted: the core is wanted by another thread), then sleep on fd
 // for up to timeout_ms in all. Returns 1 when the word changed (2: and the
 // spin was cut short by a preemption), 0 on timeout,
 // -1 when fd reports the peer gone (EOF, hang-up, error) or *abort is set
@@ -84,20 +101,32 @@ int afd_doorbell_wait(const uint32_t* word, uint32_t* sleeping, uint32_t seen, i
   bool preempted = false;
   if (spin_ns > 0) {
     int64_t last = start;
+    // Read at the first check, not before the first look at the word: the
+    // system call would delay an answer that is already on its way.
+    int64_t switches = -1;
     for (uint32_t i = 1;; ++i) {
       cpu_relax();
-      if (changed(word, seen)) return now_ns() - last > kPreemptedNs ? 2 : 1;
+      if (changed(word, seen))
+        return now_ns() - last > kPreemptedNs && lost_core(switches) ? 2 : 1;
       if ((i & 63) == 0) {
         if (__atomic_load_n(abort, __ATOMIC_RELAXED)) return -1;
         const int64_t t = now_ns();
         if (t - last > kPreemptedNs) {
           // Spinning pays only on a core of our own. A gap between two checks
-          // means the scheduler gave the core to someone else (more runnable
-          // threads than cores), and a preempted spinner waits a whole time
-          // slice to run again where a sleeper would be woken at once: sleep,
-          // and tell the caller (2), who stops spinning for a while.
-          preempted = true;
-          break;
+          // can mean the scheduler gave the core to another thread (more
+          // runnable threads than cores): a preempted spinner waits a whole
+          // time slice to run again where a sleeper would be woken at once,
+          // so sleep, and tell the caller (2), who stops spinning when that
+          // happens often. A gap without an involuntary context switch is not
+          // that: the hypervisor ran another guest on this vCPU, or an
+          // interrupt took the time (a VM's usual noise). Sleeping helps no
+          // one then; keep spinning.
+          if (lost_core(switches)) {
+            preempted = true;
+            break;
+          }
+        } else if (i == 64) {
+          switches = involuntary_switches();
         }
         if (t - start >= spin_ns) break;
         last = t;

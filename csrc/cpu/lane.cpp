@@ -218,15 +218,26 @@ PyObject* lane_counters(PyObject*, PyObject* args) {
                        static_cast<unsigned long long>(lane->backoffs));
 }
 
-// lane_preempted(lane, now_ns) -> whether the lane may spin at now_ns after
-// noting a preempted spin then (tests of the backoff rule).
+// lane_preempted(lane, now_ns, preempted=True) -> whether the lane may spin
+// at now_ns after noting a spin then, preempted or not (tests of the backoff rule).
 PyObject* lane_preempted(PyObject*, PyObject* args) {
+  PyObject* capsule;
+  long long now;
+  int preempted = 1;
+  if (!PyArg_ParseTuple(args, "OL|p", &capsule, &now, &preempted)) return nullptr;
+  Lane* lane = lane_of(capsule);
+  if (lane == nullptr) return nullptr;
+  lane->note_spin(preempted != 0, now);
+  return PyBool_FromLong(lane->may_spin(now));
+}
+
+// lane_may_spin(lane, now_ns) -> whether the lane may spin at now_ns (tests).
+PyObject* lane_may_spin(PyObject*, PyObject* args) {
   PyObject* capsule;
   long long now;
   if (!PyArg_ParseTuple(args, "OL", &capsule, &now)) return nullptr;
   Lane* lane = lane_of(capsule);
   if (lane == nullptr) return nullptr;
-  lane->note_preempted(now);
   return PyBool_FromLong(lane->may_spin(now));
 }
 
@@ -244,6 +255,7 @@ PyMethodDef afd_lane_methods[] = {
     {"lane_recv_frame", lane_recv_frame, METH_VARARGS, nullptr},
     {"lane_counters", lane_counters, METH_VARARGS, nullptr},
     {"lane_preempted", lane_preempted, METH_VARARGS, nullptr},
+    {"lane_may_spin", lane_may_spin, METH_VARARGS, nullptr},
     {"lane_prepare", lane_prepare, METH_VARARGS, nullptr},
     {"lane_post_call", lane_post_call, METH_VARARGS, nullptr},
     {"lane_take_call", lane_take_call, METH_VARARGS, nullptr},

@@ -22,10 +22,14 @@ namespace afd_lane {
 // Ring layout (doorbell.py): head, sleeping, tail, then the entries.
 constexpr int64_t kHead = 0, kSleeping = 64, kTail = 128, kEntries = 256;
 constexpr int kLengthBytes = 4;
-// Preempted spins (doorbell.py SpinBackoff): this many within kWindowNs stop
-// spinning for kBackoffNs.
-constexpr int kBackoffPreemptions = 3;
-constexpr int64_t kWindowNs = 1000000000, kBackoffNs = 1000000000;
+// Preempted spins (doorbell.py, "Preempted spins"): kBackoffPreemptions of the
+// last kSpinHistory spins stop spinning for a backoff: kMinBackoffNs, doubled
+// for each backoff that follows the last one's end within kMaxBackoffNs, up to
+// kMaxBackoffNs. A host's own threads take a spinning core now and then (a few
+// times a second on the 2-core VM, a small share of the spins); more runnable
+// threads than cores take most spins longer than a time slice.
+constexpr int kBackoffPreemptions = 3, kSpinHistory = 8;
+constexpr int64_t kMinBackoffNs = 100000000, kMaxBackoffNs = 1000000000;
 constexpr const char kCapsule[] = "vllm_afd.lane";
 
 inline int64_t now_ns() {
@@ -41,9 +45,9 @@ struct Lane {
   uint32_t entries, entry_bytes;
   uint32_t sent = 0, received = 0, peer_tail = 0;
   uint32_t abort = 0;
-  int64_t preempted_at[kBackoffPreemptions] = {};
-  int preempted_count = 0;
-  int64_t spin_from = 0;
+  uint32_t spins = 0;  // the last kSpinHistory spins, newest in bit 0: 1 = preempted
+  int64_t spin_from = 0;  // no spinning before this (a backoff's end)
+  int64_t backoff_ns = 0;  // the last backoff's length
   uint64_t preemptions = 0, backoffs = 0;
 
   uint32_t* word(uint8_t* ring, int64_t offset) {
@@ -53,18 +57,18 @@ struct Lane {
     return ring + kEntries + static_cast<int64_t>(seq % entries) * entry_bytes;
   }
   bool may_spin(int64_t now) const { return spin_from == 0 || now >= spin_from; }
-  void note_preempted(int64_t now) {
+  // A spin that began at now ended (cut short by a preemption or not).
+  void note_spin(bool preempted, int64_t now) {
+    spins = ((spins << 1) | (preempted ? 1u : 0u)) & ((1u << kSpinHistory) - 1);
+    if (!preempted) return;
     ++preemptions;
-    // The last kBackoffPreemptions times, oldest first.
-    if (preempted_count == kBackoffPreemptions) {
-      memmove(preempted_at, preempted_at + 1, sizeof(int64_t) * (kBackoffPreemptions - 1));
-      --preempted_count;
-    }
-    preempted_at[preempted_count++] = now;
-    if (preempted_count == kBackoffPreemptions && now - preempted_at[0] <= kWindowNs) {
-      spin_from = now + kBackoffNs;
+    if (__builtin_popcount(spins) >= kBackoffPreemptions) {
+      const bool again = spin_from != 0 && now - spin_from <= kMaxBackoffNs;
+      backoff_ns = again ? backoff_ns * 2 : kMinBackoffNs;
+      if (backoff_ns > kMaxBackoffNs) backoff_ns = kMaxBackoffNs;
+      spin_from = now + backoff_ns;
       ++backoffs;
-      preempted_count = 0;
+      spins = 0;
     }
   }
   // Room for one more entry in the send ring?
@@ -86,16 +90,15 @@ struct Lane {
   }
   // Wait for the next entry: 1 there, 0 timed out, -1 closed (the peer or this side).
   int wait(int64_t spin_ns, int timeout_ms) {
-    const int64_t t = now_ns();
-    if (spin_ns > 0 && !may_spin(t)) spin_ns = 0;
+    // Only a wait for an entry not there yet spins (and counts as a spin).
+    const bool there = __atomic_load_n(word(rx, kHead), __ATOMIC_ACQUIRE) != received;
+    const int64_t t = there || spin_ns <= 0 ? 0 : now_ns();
+    if (t != 0 && !may_spin(t)) spin_ns = 0;
     int status = afd_doorbell_wait(word(rx, kHead), word(rx, kSleeping), received, fd,
                                    spin_ns, timeout_ms, &abort);
     if (__atomic_load_n(&abort, __ATOMIC_SEQ_CST)) return -1;
-    if (status == 2) {  // arrived, but the spin was preempted on the way
-      note_preempted(t);
-      status = 1;
-    }
-    return status;
+    if (t != 0 && spin_ns > 0 && status >= 1) note_spin(status == 2, t);
+    return status == 2 ? 1 : status;  // 2: arrived, the spin preempted on the way
   }
   // The next entry's header, or nullptr when its length is out of bounds.
   const uint8_t* next_header(uint32_t* n) {

@@ -41,12 +41,22 @@ is another thread of the host waking briefly (the link's own once-a-second
 status thread, a server's timer): spinning still pays, and stopping it for a
 second on each such gap had turned spinning off almost always inside a serving
 process (measured: 354 of 536 waits of a `make bench` run at B = 1 slept, 60 us
-per wake-up). Often (BACKOFF_PREEMPTIONS within PREEMPTION_WINDOW_S) it means
-more runnable threads than cores: a preempted spinner waits out another
+per wake-up); on the 2-core VM a thread spinning nonstop loses its core a few
+times a second to the host's own threads, which at B = 1 (160 waits a second) is
+about one spin in a hundred. Often (BACKOFF_PREEMPTIONS of the last SPIN_HISTORY
+spins; waits whose answer is already there do not spin and do not count) means
+more runnable threads than cores, which take every spin longer than a time slice: a preempted spinner waits out another
 thread's time slice (milliseconds) where a sleeper is woken at once, so the
-waiter stops spinning for SPIN_BACKOFF_S. An oversubscribed machine pays a few
-time slices per second and link. spin_us 0: never spin (every wait sleeps; the
-old latency).
+waiter stops spinning for a while: SPIN_BACKOFF_MIN_S, doubled for each backoff
+that follows the last one within SPIN_BACKOFF_S, up to SPIN_BACKOFF_S. A burst
+(a server's threads waking together) costs a tenth of a second of sleeping
+waits, not a second (at B = 1 a second is ~20 steps whose every layer call pays
+two wake-ups); an oversubscribed machine soon pays a few time slices per second
+and link. Only a gap with an involuntary context switch of the spinning thread
+counts as preempted: without one the time went to the hypervisor (another guest
+on this vCPU) or an interrupt, a VM's everyday noise, where sleeping helps no
+one, and the spin goes on. spin_us 0: never spin (every wait sleeps; the old
+latency).
 
 The per-message path is C (csrc/cpu/lane.cpp, a `Lane` per connection):
 sending copies the payload into its slot, writes the entry and publishes it
@@ -82,9 +92,10 @@ RING_BYTES = _ENTRIES + RING_ENTRIES * ENTRY_BYTES
 DEFAULT_SPIN_US = 0  # see the module docstring: 5000 on cores of their own
 IDLE_SPIN_US = 50
 # The backoff of preempted spins (constants of csrc/cpu/lane.cpp, for docs and tests):
-SPIN_BACKOFF_S = 1.0  # no spinning for this long once spins are preempted often
-BACKOFF_PREEMPTIONS = 3  # preempted spins within PREEMPTION_WINDOW_S that mean "often"
-PREEMPTION_WINDOW_S = 1.0
+SPIN_BACKOFF_MIN_S = 0.1  # no spinning for this long once spins are preempted often,
+SPIN_BACKOFF_S = 1.0  # doubled while that repeats, up to this
+BACKOFF_PREEMPTIONS = 3  # preempted spins among the last SPIN_HISTORY that mean "often"
+SPIN_HISTORY = 8
 WAIT_CHUNK_MS = 1000  # how often a sleeping waiter checks its deadline and logs
 FAST_WAIT_MS = 50  # a fast receive's wait (connectors/shm_fast.py), or the spin where longer
 RING_FULL = 1  # lane_send's answer when the peer has RING_ENTRIES messages unread
