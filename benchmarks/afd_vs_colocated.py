@@ -251,7 +251,9 @@ def machine_info() -> dict:
         if line.startswith("model name"):
             model = line.split(":", 1)[1].strip()
             break
-    return {"cpu_model": model, "cpu_count": os.cpu_count(),
+    from vllm.afd.planner.calibrate import cpu_isa
+
+    return {"cpu_model": model, "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count(),
             "python": sys.version.split()[0], "load_average_1m": os.getloadavg()[0]}
 
 

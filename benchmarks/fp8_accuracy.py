@@ -155,8 +155,8 @@ def main() -> int:
                 print(out[-2000:] + err[-4000:], file=sys.stderr)
                 raise SystemExit(f"fp8_accuracy: {name} failed (exit {proc.returncode})")
             results[name] = json.loads(lines[-1][len("RESULT "):])["results"][name]
-    print(f"| model | transfer | token agreement | identical prompts | mean first "
-          f"difference | max logprob diff |\n|---|---|---|---|---|---|")
+    print("| model | transfer | token agreement | identical prompts | mean first "
+          "difference | max logprob diff |\n|---|---|---|---|---|---|")
     for name, rows in results.items():
         for transfer, r in rows.items():
             print(f"| {name} | {transfer} | {r['token_agreement']:.1%} | "

@@ -761,7 +761,6 @@ def test_fp8_frames_are_half_the_bytes_of_bf16():
         finally:
             attn.close()
             ffn.close()
-    payload = {t: n - (totals[t] - totals[t] // 16 * 16) for t, n in totals.items()}
     assert totals["auto"] > 16 * 2048 * 2 and totals["fp8"] > 16 * (2048 + 16 * 4)
     assert totals["fp8"] < 0.52 * totals["auto"], totals
 

@@ -54,6 +54,25 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_isa() -> str:
+    """The widest matrix path this CPU offers torch and vLLM: amx, avx512_bf16,
+    avx512, avx2 (or the machine). Hosts that one model name covers differ by
+    it (an "AMD EPYC" VM with AVX-512 ran vLLM's bf16 ~6x faster than one
+    without), so a profile and a bench compare only where it matches."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                for isa, flag in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"),
+                                  ("avx512", "avx512f"), ("avx2", "avx2")):
+                    if flag in flags:
+                        return isa
+                break
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def device_cores() -> list[int]:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
@@ -295,6 +314,7 @@ def profile_text(m: dict) -> str:
         f'description = "{cpu_model()}, {len(m["cores"])} cores measured"',
         'kind = "cpu"',
         f'cpu_model = "{cpu_model()}"',
+        f'cpu_isa = "{cpu_isa()}"',
         f'measured = "{now}"',
         f"calibration_seconds = {m['seconds']:.1f}",
         "",

@@ -47,6 +47,7 @@ class Hardware:
     ffn_layer_overhead: float = 0.0
     colocated: Hardware | None = None
     cpu_model: str = ""
+    cpu_isa: str = ""  # calibrate.cpu_isa() of the host a cpu profile was measured on
     measured: str = ""
     path: str = ""
 
@@ -96,6 +97,7 @@ def _parse(data: dict, name: str, path: str) -> Hardware:
         attention_layer_overhead=float(overhead.get("attention_layer", 0.0)),
         ffn_layer_overhead=float(overhead.get("ffn_layer", 0.0)),
         colocated=colocated, cpu_model=str(data.get("cpu_model", "")),
+        cpu_isa=str(data.get("cpu_isa", "")),
         measured=str(data.get("measured", "")), path=path)
 
 
