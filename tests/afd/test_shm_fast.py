@@ -253,6 +253,7 @@ ring = torch.from_file(path, shared=True, size=doorbell.RING_BYTES, dtype=torch.
 lane = C.lane_new(ring.data_ptr(), ring.data_ptr(), fd, doorbell.RING_ENTRIES,
                   doorbell.ENTRY_BYTES)
 header = torch.empty(64, dtype=torch.uint8)
+print("ready", flush=True)
 for _ in sys.stdin:
     print("spinning", flush=True)
     status = C.lane_wait(lane, 5_000_000_000, 10_000)  # spin for up to 5 s
@@ -282,6 +283,7 @@ class _Spinner:
         self.C = doorbell.lane_module()
         self.lane = self.C.lane_new(self.ring.data_ptr(), self.ring.data_ptr(), mine.fileno(),
                                     doorbell.RING_ENTRIES, doorbell.ENTRY_BYTES)
+        assert self.proc.stdout.readline().strip() == "ready"
 
     def wait(self, meanwhile) -> tuple[int, int]:
         """One wait of the spinner: meanwhile(pid) runs while it spins, then the
@@ -363,15 +365,15 @@ def test_a_spin_whose_core_went_to_another_thread_counts_as_preempted(tmp_path):
     import sys
 
     core = max(os.sched_getaffinity(0))
-    busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, "
-                                                   f"{{{core}}})\nwhile True: pass"])
+    spinner = _Spinner(core, tmp_path / "ring")  # started first: not at half a core
     try:
-        spinner = _Spinner(core, tmp_path / "ring")
+        busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, "
+                                                       f"{{{core}}})\nwhile True: pass"])
         try:
             status, preemptions = spinner.wait(lambda pid: time.sleep(0.2))
         finally:
-            spinner.close()
+            busy.kill()
+            busy.wait()
     finally:
-        busy.kill()
-        busy.wait()
+        spinner.close()
     assert status == 1 and preemptions >= 1, (status, preemptions)
