@@ -246,14 +246,9 @@ def run_afd(args: argparse.Namespace) -> dict[str, dict]:
 
 
 def machine_info() -> dict:
-    model = "unknown"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            model = line.split(":", 1)[1].strip()
-            break
-    from vllm.afd.planner.calibrate import cpu_isa
+    from vllm.afd.planner.calibrate import cpu_isa, cpu_model
 
-    return {"cpu_model": model, "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count(),
+    return {"cpu_model": cpu_model(), "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count(),
             "python": sys.version.split()[0], "load_average_1m": os.getloadavg()[0]}
 
 
@@ -536,7 +531,8 @@ def print_split(res: dict) -> None:
           "for 0.1-1 s): " + ("; ".join(spins) if spins else "none"))
     print("\n(link/layer: the attention side's wait on the link beyond the FFN's compute, per "
           "layer: (blocked - ffn) / layers;\nwith m > 1 the FFN computes while attention does, "
-          "so it is a lower bound there;\nffn-other/call: ffn-other per layer call (layer x micro-batch), part of link/layer at m = 1;\n"
+          "so it is a lower bound there;\nffn-other/call: ffn-other per layer call (layer x "
+          "micro-batch), part of link/layer at m = 1;\n"
           "own-bound: this configuration's step with a free link and perfect overlap of its own "
           "measured compute\n(m = 1: attn-out + attn + ffn; m > 1: attn-out + max(attn, ffn)); "
           "of own: own-bound / step, how well\nits pipeline runs. of bound = of own x bound / "

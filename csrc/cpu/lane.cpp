@@ -218,9 +218,9 @@ PyObject* lane_counters(PyObject*, PyObject* args) {
                        static_cast<unsigned long long>(lane->backoffs));
 }
 
-// lane_preempted(lane, now_ns, preempted=True) -> whether the lane may spin
+// lane_note_spin(lane, now_ns, preempted=True) -> whether the lane may spin
 // at now_ns after noting a spin then, preempted or not (tests of the backoff rule).
-PyObject* lane_preempted(PyObject*, PyObject* args) {
+PyObject* lane_note_spin(PyObject*, PyObject* args) {
   PyObject* capsule;
   long long now;
   int preempted = 1;
@@ -254,7 +254,7 @@ PyMethodDef afd_lane_methods[] = {
     {"lane_take", lane_take, METH_VARARGS, nullptr},
     {"lane_recv_frame", lane_recv_frame, METH_VARARGS, nullptr},
     {"lane_counters", lane_counters, METH_VARARGS, nullptr},
-    {"lane_preempted", lane_preempted, METH_VARARGS, nullptr},
+    {"lane_note_spin", lane_note_spin, METH_VARARGS, nullptr},
     {"lane_may_spin", lane_may_spin, METH_VARARGS, nullptr},
     {"lane_prepare", lane_prepare, METH_VARARGS, nullptr},
     {"lane_post_call", lane_post_call, METH_VARARGS, nullptr},

@@ -254,15 +254,15 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps():
         ffn_stats = loop.stats()
         assert ffn_stats.layer_calls == 3 * len(layers) and ffn_stats.send_s > 0
         assert loop.compute_hist.count == 3 * len(layers)
-        # Spins that lost their core land in each side's link statistics (lane_preempted
+        # Spins that lost their core land in each side's link statistics (lane_note_spin
         # notes one as the C wait does; three within a second make a backoff).
         lane_C = doorbell.lane_module()
         before = (stats.spin_preemptions, stats.spin_backoffs,
                   ffn_stats.spin_preemptions, ffn_stats.spin_backoffs)
         t = time.monotonic_ns()
         for i in range(3):
-            lane_C.lane_preempted(lead._links[0].lane, t + i)
-        lane_C.lane_preempted(session._links[0].lane, t)
+            lane_C.lane_note_spin(lead._links[0].lane, t + i)
+        lane_C.lane_note_spin(session._links[0].lane, t)
         link.begin_step(StepPlan(num_tokens=(4,)))
         h = torch.randn(4, HIDDEN)
         for layer in layers:

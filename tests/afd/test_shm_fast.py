@@ -172,14 +172,14 @@ def test_spinning_stops_only_when_spins_are_preempted_often():
     for _ in range(20):  # one spin in four preempted, ten a second: keeps spinning
         for preempted in (True, False, False, False):
             t += s // 10
-            assert C.lane_preempted(lane, t, preempted)
+            assert C.lane_note_spin(lane, t, preempted)
     assert C.lane_counters(lane)[2:] == (20, 0)
 
     def burst(t: int) -> int:
         """Three of eight spins from t preempted; the backoff's start."""
         for k, preempted in enumerate((True, False, True, False, False)):
-            assert C.lane_preempted(lane, t + k * s // 100, preempted)
-        assert not C.lane_preempted(lane, t + 5 * s // 100)  # the third of the last eight
+            assert C.lane_note_spin(lane, t + k * s // 100, preempted)
+        assert not C.lane_note_spin(lane, t + 5 * s // 100)  # the third of the last eight
         return t + 5 * s // 100
 
     def backoff_s(start: int) -> float:
@@ -189,7 +189,7 @@ def test_spinning_stops_only_when_spins_are_preempted_often():
         return ends[0] / 1000
 
     for k in range(8):  # quiet: eight spins not preempted
-        assert C.lane_preempted(lane, t + k * s // 100, False)
+        assert C.lane_note_spin(lane, t + k * s // 100, False)
     start = burst(t + s)
     assert C.lane_counters(lane)[3] == 1
     assert backoff_s(start) == pytest.approx(doorbell.SPIN_BACKOFF_MIN_S, abs=0.002)

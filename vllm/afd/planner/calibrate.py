@@ -44,14 +44,19 @@ LINK_TOKENS = (1, 8, 16, 32, 64, 128)
 BANDWIDTH_BUFFER_BYTES = 256 << 20
 
 
-def cpu_model() -> str:
+def _cpuinfo(key: str) -> str | None:
+    """The first `key` line's value in /proc/cpuinfo (None where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(key):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def cpu_isa() -> str:
@@ -59,17 +64,11 @@ def cpu_isa() -> str:
     avx512, avx2 (or the machine). Hosts that one model name covers differ by
     it (an "AMD EPYC" VM with AVX-512 ran vLLM's bf16 ~6x faster than one
     without), so a profile and a bench compare only where it matches."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                for isa, flag in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"),
-                                  ("avx512", "avx512f"), ("avx2", "avx2")):
-                    if flag in flags:
-                        return isa
-                break
-    except OSError:
-        pass
+    flags = set((_cpuinfo("flags") or "").split())
+    for isa, flag in (("amx", "amx_bf16"), ("avx512_bf16", "avx512_bf16"),
+                      ("avx512", "avx512f"), ("avx2", "avx2")):
+        if flag in flags:
+            return isa
     return platform.machine()
 
 

@@ -45,8 +45,9 @@ per wake-up); on the 2-core VM a thread spinning nonstop loses its core a few
 times a second to the host's own threads, which at B = 1 (160 waits a second) is
 about one spin in a hundred. Often (BACKOFF_PREEMPTIONS of the last SPIN_HISTORY
 spins; waits whose answer is already there do not spin and do not count) means
-more runnable threads than cores, which take every spin longer than a time slice: a preempted spinner waits out another
-thread's time slice (milliseconds) where a sleeper is woken at once, so the
+more runnable threads than cores, which take every spin longer than a time
+slice: a preempted spinner waits out another thread's time slice
+(milliseconds) where a sleeper is woken at once, so the
 waiter stops spinning for a while: SPIN_BACKOFF_MIN_S, doubled for each backoff
 that follows the last one within SPIN_BACKOFF_S, up to SPIN_BACKOFF_S. A burst
 (a server's threads waking together) costs a tenth of a second of sleeping
