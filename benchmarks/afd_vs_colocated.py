@@ -25,7 +25,8 @@ and after each run; decode = N run minus 1 run) split the step: attention
 compute inside the link window, attention work outside it (scheduling,
 embedding, sampling), attention blocked on the link, FFN compute, FFN idle;
 plus the transfer floor, an echo round trip of the same tensors through the same
-connector and transfer dtype measured here, and what is left: idle and overhead.
+connector and transfer dtype measured here (the echo another process on the FFN
+core), and what is left: idle and overhead.
 
 Writes OUT_DIR/afd_vs_colocated.json and, with matplotlib, .png (with another
 connector or transfer dtype: afd_vs_colocated-tcp-fp8.json, ...).
@@ -325,12 +326,14 @@ def summarize(args: argparse.Namespace, plain: dict, afd: dict[int, dict], floor
 
 
 def spin_counts(runs: list[dict]) -> dict:
-    """Each side's spin preemptions and backoffs over the median run's decode
-    steps: after a backoff a side's waits sleep for 0.1-1 s (doorbell.py), and
-    link/layer jumps by the wake-ups; nonzero explains a slow run."""
-    run = median_run(runs)
-    return {side: {"preemptions": run[side].get("spin_preemptions", 0),
-                   "backoffs": run[side].get("spin_backoffs", 0)}
+    """Each side's spin preemptions and backoffs in the median run's N-token
+    generate (its prefill included: counts, unlike times, do not subtract, and a
+    prefill-only run with more of them than the N-token run gave -1): after a
+    backoff a side's waits sleep for 0.1-1 s (doorbell.py), and link/layer jumps
+    by the wake-ups; nonzero explains a slow run."""
+    raw = median_run(runs)["raw"]
+    return {side: {"preemptions": raw[f"{side}_n"].get("spin_preemptions", 0),
+                   "backoffs": raw[f"{side}_n"].get("spin_backoffs", 0)}
             for side in ("attention", "ffn")}
 
 
@@ -415,7 +418,7 @@ def decode_runs(runs: list[dict]) -> list[dict]:
     ref = lower_median(runs, lambda r: r["t_1"])
     return [{"decode_s": r["t_n"] - ref["t_1"],
              "attention": LinkStats.delta(r["attention_n"], ref["attention_1"]),
-             "ffn": LinkStats.delta(r["ffn_n"], ref["ffn_1"])} for r in runs]
+             "ffn": LinkStats.delta(r["ffn_n"], ref["ffn_1"]), "raw": r} for r in runs]
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -527,8 +530,8 @@ def print_split(res: dict) -> None:
                 spins.append(f"{cfg.get('label', cfg['num_ubatches'])} B={b}: attention "
                              f"{a['preemptions']}/{a['backoffs']}, FFN "
                              f"{f['preemptions']}/{f['backoffs']}")
-    print("\nspin preemptions/backoffs in the decode steps (a backoff: that side's waits sleep "
-          "for 0.1-1 s): " + ("; ".join(spins) if spins else "none"))
+    print("\nspin preemptions/backoffs in the median N-token run (a backoff: that side's "
+          "waits sleep for 0.1-1 s): " + ("; ".join(spins) if spins else "none"))
     print("\n(link/layer: the attention side's wait on the link beyond the FFN's compute, per "
           "layer: (blocked - ffn) / layers;\nwith m > 1 the FFN computes while attention does, "
           "so it is a lower bound there;\nffn-other/call: ffn-other per layer call (layer x "
@@ -707,9 +710,28 @@ def pin(cores: str) -> None:
         print(f"[bench] cannot pin to cores {cores}: {e}", file=sys.stderr)
 
 
+def echo_ffn_process(config: dict, hidden: int, dtype_name: str, max_tokens: int,
+                     num_layers: int) -> None:
+    """The no-op FFN in a process of its own on the FFN core, as the FFN server
+    is: two threads of one process (before 2026-12-03) handed the GIL over on
+    every message, 60-70 us of a round trip that the real link does not pay."""
+    import torch
+
+    from vllm.afd.config import AFDConfig
+    from vllm.afd.transport.connectors.base import create_connector
+
+    pin(FFN_CORES)
+    torch.set_num_threads(1)
+    ffn = create_connector(AFDConfig(role="ffn", **config), hidden_size=hidden,
+                           dtype=getattr(torch, dtype_name), max_tokens=max_tokens)
+    try:
+        echo_ffn(ffn, num_layers)
+    finally:
+        ffn.close()
+
+
 def echo_ffn(ffn, num_layers: int) -> None:
     """The no-op FFN: send every hidden state straight back."""
-    pin(FFN_CORES)
     ffn.accept()
     while True:
         step = ffn.recv_step(0)
@@ -743,7 +765,7 @@ def floor_steps(attn, tokens: list[int], hidden: int, dtype, num_layers: int,
 
 
 def floor_for_m(m: int, args: argparse.Namespace, hidden: int, num_layers: int) -> dict:
-    import threading
+    import multiprocessing
 
     import torch
 
@@ -751,26 +773,28 @@ def floor_for_m(m: int, args: argparse.Namespace, hidden: int, num_layers: int) 
     from vllm.afd.transport.connectors.base import create_connector
 
     dtype, port = getattr(torch, args.dtype), free_port()
-    conns = {role: create_connector(AFDConfig(role=role, **link_config(args, port, m)),
-                                    hidden_size=hidden, dtype=dtype,
-                                    max_tokens=max(args.batch_sizes))
-             for role in ("ffn", "attention")}
-    thread = threading.Thread(target=echo_ffn, args=(conns["ffn"], num_layers), daemon=True)
-    thread.start()
+    config = link_config(args, port, m)
+    echo = multiprocessing.get_context("spawn").Process(
+        target=echo_ffn_process, daemon=True,
+        args=(config, hidden, args.dtype, max(args.batch_sizes), num_layers))
+    echo.start()
+    attn = create_connector(AFDConfig(role="attention", **config), hidden_size=hidden,
+                            dtype=dtype, max_tokens=max(args.batch_sizes))
     out, step = {}, 1
     try:
-        conns["attention"].connect()
+        attn.connect()
         for b in args.batch_sizes:
             tokens = split_tokens(b, m)
-            times = floor_steps(conns["attention"], tokens, hidden, dtype, num_layers, step)
+            times = floor_steps(attn, tokens, hidden, dtype, num_layers, step)
             step += 1000
             floor_s = statistics.median(times)
             out[str(b)] = {"ubatch_tokens": tokens, "floor_ms": floor_s * 1e3,
                            "round_trip_us": floor_s / (num_layers * len(tokens)) * 1e6}
     finally:
-        conns["attention"].close()
-        thread.join(10)
-        conns["ffn"].close()
+        attn.close()
+        echo.join(10)
+        if echo.is_alive():
+            echo.kill()
     return out
 
 
@@ -791,6 +815,9 @@ def main(argv=None) -> int:
     if args.reprint:
         res = json.loads(args.reprint.read_text())
         add_fractions(res["afd"], res.get("overlap_bound", {}))
+        for cfg in res["afd"].values():
+            for s in cfg["batches"].values():
+                s["spin"] = spin_counts(s["runs"])
         args.reprint.write_text(json.dumps(res, indent=2) + "\n")
         print_tables(res)
         return 0

@@ -33,6 +33,7 @@ from pathlib import Path
 HIDDEN = 512  # bf16: 1 KiB per token
 TOKENS = (1, 4, 16, 64, 256, 1024)  # 1 KiB ... 1 MiB per direction
 LAYERS = 50  # layer calls per step, as a model's: the step header is once per step
+FLOOR_EVERY = 4 * LAYERS  # shm: connector round trips between two samples of the copy floor
 ATTENTION_CORE, FFN_CORE = 0, 1
 
 
@@ -103,7 +104,28 @@ def layer_call(attn, layer: int, h, out, prepared: bool) -> None:
     attn.recv_output(layer, 0, out=out)
 
 
+def copy_floor_us(nbytes: int, calls: int, echo_spin_s: float) -> float | None:
+    """Median of `calls` round trips of the copy floor (csrc/cpu/copy_floor.cpp):
+    the connector's three copies and two hand-overs between threads on the two
+    cores, nothing else. First waits out the echo FFN's spin, so that its thread
+    has the FFN core alone. None where it cannot run (one core, no pinning)."""
+    from vllm.afd import _C
+
+    time.sleep(echo_spin_s + 0.002)
+    try:
+        return statistics.median(_C.copy_floor(nbytes, calls + calls // 10,
+                                               ATTENTION_CORE, FFN_CORE)) / 1e3
+    except (RuntimeError, ValueError):
+        return None
+
+
 def measure(connector: str, extra: dict, iters: int, idle_s: float) -> dict:
+    """Round trips by payload size, both paths; with shm, the prepared path is
+    interleaved with samples of the copy floor on the same cores: a VM's two
+    vCPUs move between sibling threads, cores of one L3 and farther apart
+    within seconds (the floor at 64 KiB: 3.5, ~20 or ~75 us on one VM), so
+    only a floor taken minutes, not hours, apart from the connector says what
+    the connector itself costs."""
     import torch
 
     from vllm.afd.transport.connectors.base import create_connector
@@ -126,25 +148,38 @@ def measure(connector: str, extra: dict, iters: int, idle_s: float) -> dict:
             for tokens in TOKENS:
                 h = torch.randn(tokens, HIDDEN).to(torch.bfloat16)
                 out = torch.empty_like(h)
-                times = []
-                for i in range(iters + iters // 10):
+                times, chunks = [], []  # chunks: (floor us, first index of its connector chunk)
+                sample_floor = connector == "shm" and prepared and (os.cpu_count() or 1) > 1
+                i = 0
+                # Whole steps until `iters` calls are timed: not the warm-up, not
+                # a step's first call (it waits while the FFN reads the step
+                # header), not the step after a floor sample (the 5-15 calls
+                # after one took ~1 ms each on the VM: the echo's wake-up from
+                # its long sleep, and the hypervisor after two spinning vCPUs).
+                while len(times) < iters or i % LAYERS:
                     layer = i % LAYERS
+                    if sample_floor and i % FLOOR_EVERY == 0:
+                        floor = copy_floor_us(h.nbytes, FLOOR_EVERY,
+                                              extra.get("spin_us", 0) / 1e6)
+                        if floor is not None:
+                            chunks.append((floor, len(times)))
                     if layer == 0:
                         attn.send_step(StepHeader(step_id=step, num_tokens=[tokens]))
                         step += 1
                     t0 = time.perf_counter()
                     layer_call(attn, layer, h, out, prepared)
                     dt = time.perf_counter() - t0
-                    # The first call of a step waits while the FFN reads the step header.
-                    if i >= iters // 10 and layer:
+                    settling = sample_floor and i % FLOOR_EVERY < LAYERS
+                    if i >= iters // 10 and layer and not settling and len(times) < iters:
                         times.append(dt)
-                for layer in range((iters + iters // 10) % LAYERS or LAYERS, LAYERS):
-                    layer_call(attn, layer, h, out, prepared)  # finish the step
+                    i += 1
+                row = sizes[str(tokens * HIDDEN * 2)] = {"tokens": tokens,
+                                                        **floor_columns(times, chunks)}
                 times.sort()
-                sizes[str(tokens * HIDDEN * 2)] = {
-                    "tokens": tokens, "median_us": statistics.median(times) * 1e6,
+                row.update({
+                    "median_us": statistics.median(times) * 1e6,
                     "p10_us": times[len(times) // 10] * 1e6,
-                    "p99_us": times[min(len(times) - 1, int(len(times) * 0.99))] * 1e6}
+                    "p99_us": times[min(len(times) - 1, int(len(times) * 0.99))] * 1e6})
         attn.send_step(StepHeader(step_id=step, num_tokens=[0]))
         assert parent.recv() == "idle"
         time.sleep(idle_s)
@@ -157,6 +192,22 @@ def measure(connector: str, extra: dict, iters: int, idle_s: float) -> dict:
     if connector == "shm" and not attn.fast_calls:
         raise RuntimeError("the shm connector's fast path was never taken")
     return {**results, "idle": idle}
+
+
+def floor_columns(times: list[float], chunks: list[tuple[float, int]]) -> dict:
+    """The copy floor's median over the samples, and the connector's time over
+    it: the median, over the chunks, of (the chunk's median round trip - the
+    floor sampled right before it), so a vCPU move between chunks cancels."""
+    if not chunks:
+        return {}
+    over = []
+    for k, (floor, start) in enumerate(chunks):
+        end = chunks[k + 1][1] if k + 1 < len(chunks) else len(times)
+        if end > start:
+            over.append(statistics.median(times[start:end]) * 1e6 - floor)
+    return {"floor_us": statistics.median(f for f, _ in chunks),
+            "floor_samples_us": [round(f, 2) for f, _ in chunks],
+            "over_floor_us": statistics.median(over) if over else None}
 
 
 def main(argv=None) -> int:
@@ -190,9 +241,11 @@ def main(argv=None) -> int:
               f"{res['idle']['idle_wall_s']:.1f} s")
         for nbytes, r in res["round_trip"].items():
             g = res["round_trip_general"][nbytes]
+            floor = (f"   copy floor {r['floor_us']:7.1f} (over it {r['over_floor_us']:6.1f})"
+                     if r.get("over_floor_us") is not None else "")
             print(f"  {int(nbytes) >> 10:6d} KiB  median {r['median_us']:8.1f}  "
                   f"p10 {r['p10_us']:8.1f}  p99 {r['p99_us']:8.1f}   send_hidden + "
-                  f"recv_output: median {g['median_us']:8.1f}")
+                  f"recv_output: median {g['median_us']:8.1f}{floor}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     print(f"[bench-link] wrote {args.out}")

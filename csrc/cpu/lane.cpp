@@ -260,4 +260,5 @@ PyMethodDef afd_lane_methods[] = {
     {"lane_post_call", lane_post_call, METH_VARARGS, nullptr},
     {"lane_take_call", lane_take_call, METH_VARARGS, nullptr},
     {"lane_call_times", lane_call_times, METH_VARARGS, nullptr},
+    {"copy_floor", copy_floor, METH_VARARGS, nullptr},
     {nullptr, nullptr, 0, nullptr}};

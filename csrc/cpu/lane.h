@@ -148,5 +148,6 @@ PyObject* lane_prepare(PyObject*, PyObject* args);
 PyObject* lane_post_call(PyObject*, PyObject* args);
 PyObject* lane_take_call(PyObject*, PyObject* args);
 PyObject* lane_call_times(PyObject*, PyObject* args);
+PyObject* copy_floor(PyObject*, PyObject* args);  // copy_floor.cpp
 
 }  // namespace afd_lane

@@ -216,6 +216,52 @@ def test_link_fit_recovers_latency_and_bandwidth():
     assert latency == pytest.approx(50e-6) and bandwidth == pytest.approx(4e9)
 
 
+def test_a_measured_moe_kernel_prices_the_routed_experts_and_only_them():
+    """A cpu profile's `bf16_moe_by_rows` (vLLM's CPU MoE kernel, calibrate.moe_flops)
+    sets the experts' rate by rows per expert; the shared experts, the router and
+    attention keep the GEMM table; without it the experts take the GEMM's."""
+    hw = load_hardware(str(CPU_PROFILE))
+    gemm_only = dataclasses.replace(hw, flops_by_rows={
+        k: v for k, v in hw.flops_by_rows.items() if not k.endswith("_moe")})
+    moe = {**gemm_only.flops_by_rows, "bf16_moe": ((1.0, 4.0), (1e9, 4e9))}
+    slow_kernel = dataclasses.replace(gemm_only, flops_by_rows=moe,
+                                      memory_bandwidth=1e15)  # compute-bound: rates show
+    assert slow_kernel.moe_flops("bf16", 2.0) == pytest.approx(2e9)
+    assert slow_kernel.moe_flops("bf16", 8.0) == 4e9 and slow_kernel.moe_flops("bf16", 0.5) == 5e8
+    assert slow_kernel.moe_flops("fp8", 4.0) == 4e9  # no fp8 path: the bf16 kernel's
+    assert gemm_only.moe_flops("bf16", 4.0) == gemm_only.flops("bf16", 4.0)
+    model = load_model("bench-qwen3-moe")
+    fast_gemm = dataclasses.replace(gemm_only, memory_bandwidth=1e15)
+    # 16 tokens over 16 experts top-4: 64 pairs on ~10.4 experts, ~6.1 rows each
+    tokens = 16
+    touched = cost.experts_touched(model.experts, model.top_k, tokens)
+    flops = 2.0 * tokens * model.top_k * model.expert_params()
+    rows = tokens * model.top_k / touched
+    router = model.shared_params() + model.router_params()  # priced as a GEMM
+    expected = (flops / slow_kernel.moe_flops("bf16", rows) + hw.ffn_layer_overhead
+                + 2.0 * tokens * router / slow_kernel.flops("bf16", tokens))
+    assert cost.ffn_layer(model, slow_kernel, tokens, 1).seconds == pytest.approx(expected)
+    assert cost.ffn_layer(model, fast_gemm, tokens, 1).seconds < expected / 2
+    assert cost.attention_layer(model, slow_kernel, tokens, 64) == \
+        cost.attention_layer(model, fast_gemm, tokens, 64)
+
+
+def test_calibration_times_vllms_own_moe_kernel():
+    """Where vLLM's CPU kernels load (the CPU wheel), calibrate measures the
+    kernel vLLM's CPUUnquantizedExperts runs: a rate per rows-per-expert, which
+    grows with the rows (one row per expert is bound by reading its weights,
+    sixteen share one read)."""
+    from vllm.afd.planner import calibrate
+
+    kernel = calibrate.vllm_moe_kernel()
+    if kernel is None:
+        pytest.skip("vLLM's CPU kernels do not load here (not the CPU flavor)")
+    rates = calibrate.moe_flops(1, kernel)
+    assert sorted(rates) == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
+    assert all(r > 1e8 for r in rates.values())
+    assert rates[16.0] > 2 * rates[1.0]
+
+
 def test_profile_and_bench_of_one_model_name_but_another_isa_do_not_compare():
     """"AMD EPYC" named a VM with AVX-512 on 2026-12-02 and one without on
     2026-12-03 (vLLM's bf16 ~6x slower): comparing across them means nothing."""

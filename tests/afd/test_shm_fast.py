@@ -377,3 +377,22 @@ def test_a_spin_whose_core_went_to_another_thread_counts_as_preempted(tmp_path):
     finally:
         spinner.close()
     assert status == 1 and preemptions >= 1, (status, preemptions)
+
+
+def test_the_copy_floor_makes_the_connectors_copies_between_two_cores():
+    """`make bench-link`'s floor (csrc/cpu/copy_floor.cpp): one time per timed
+    round trip, each the three copies of the payload (a 4 MiB payload takes far
+    longer than a 4 KiB one, whatever the VM does to the cores' distance), and
+    clear errors instead of a hang for cores it cannot use."""
+    from vllm.afd import _C
+
+    small = _C.copy_floor(4 << 10, 200, 0, 1)
+    assert len(small) == 180 and all(t > 0 for t in small)  # the first tenth is warm-up
+    large = _C.copy_floor(4 << 20, 20, 0, 1)
+    assert sorted(large)[len(large) // 2] > 10 * sorted(small)[len(small) // 2]
+    for bad in ((0, 10, 0, 1), (4096, 0, 0, 1), (4096, 10, 1, 1), (4096, 10, -1, 0)):
+        with pytest.raises(ValueError, match="copy_floor"):
+            _C.copy_floor(*bad)
+    for cores in ((0, 1000), (1000, 0)):  # no such core: the thread cannot pin
+        with pytest.raises(RuntimeError, match="copy_floor: cannot pin"):
+            _C.copy_floor(4096, 10, *cores)

@@ -14,6 +14,12 @@ gets on the same cores):
 - the same-host link: round trips of a hidden-state payload through the project's
   real shm connector between two processes on two cores (attention end, echo FFN
   end), per payload size; its fixed part and bandwidth by a least-squares line;
+- the routed experts as vLLM's CPU MoE kernel computes them (where vLLM's CPU
+  kernels load): FLOP/s of `cpu_fused_moe` by rows per expert, at the bench
+  model's expert shape, the weights of several layers in turn so that each call
+  reads them from memory as a model's layer does. torch's own linear is no
+  stand-in for it: on an AVX2-only host torch's bf16 GEMM ran 2-3x slower than
+  the kernel vLLM runs, on an AVX-512 host faster;
 - fixed per-layer framework cost: an eager PyTorch attention block and a MoE block
   at width 64 (compute and memory traffic negligible), i.e. what dispatching a
   layer's operators costs on this core.
@@ -41,7 +47,15 @@ GEMM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GEMM_SIZE = 2048
 LINK_HIDDEN = 2048  # the bench model's width; the line fit makes it general
 LINK_TOKENS = (1, 8, 16, 32, 64, 128)
+# Waits spin as they do in `make bench` (its --spin-us default: a core per role).
+# Unspun, every message is a wake-up: ~380 us one way on the 2026-12-03 VM.
+LINK_SPIN_US = 50000
 BANDWIDTH_BUFFER_BYTES = 256 << 20
+# vLLM's CPU MoE kernel: experts, top-k, hidden, intermediate of the bench model
+# (tools/make_tiny_models.py bench-qwen3-moe), tokens per call, weight sets rotated
+MOE_SHAPE = (16, 4, 2048, 384)
+MOE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MOE_WEIGHT_SETS = 4
 
 
 def _cpuinfo(key: str) -> str | None:
@@ -112,6 +126,65 @@ def gemm_flops(threads: int, dtype_name: str) -> dict[int, float]:
         out[rows] = _best_rate(lambda: torch.nn.functional.linear(x, weight),
                                2.0 * rows * GEMM_SIZE * GEMM_SIZE, seconds=0.1)
     return out
+
+
+def vllm_moe_kernel():
+    """(cpu_fused_moe, prepack, isa) from vLLM's CPU kernels as vLLM itself picks
+    them (CPUUnquantizedExperts: AMX where the CPU has it, else the vector
+    path), or None where they do not load (no vLLM, a GPU build)."""
+    try:
+        import torch
+
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return None
+        current_platform.import_kernels()
+        op, prepack = torch.ops._C.cpu_fused_moe, torch.ops._C.prepack_moe_weight
+    except Exception as e:  # noqa: BLE001 - any failure means: no such kernel here
+        logger.info("vLLM's CPU MoE kernel is not available (%s): torch linear stands in", e)
+        return None
+    isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"
+    return op, prepack, isa
+
+
+def moe_flops(threads: int, kernel) -> dict[float, float]:
+    """FLOP/s of the routed experts through vLLM's kernel, by rows per expert:
+    T tokens each pick top-k experts round robin, so min(E, T k) experts get
+    T k / min(E, T k) rows each (what cost.ffn_layer's rows_per_expert means)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    op, prepack, isa = kernel
+    experts, top_k, hidden, inter = MOE_SHAPE
+    weight_sets = []
+    for _ in range(MOE_WEIGHT_SETS):
+        packed = []
+        for shape in ((experts, 2 * inter, hidden), (experts, hidden, inter)):
+            w = (torch.randn(shape) * 0.02).to(torch.bfloat16)
+            out = torch.empty_like(w)
+            prepack(w, out, isa)
+            packed.append(out)
+        weight_sets.append(packed)
+    sets = itertools.cycle(weight_sets)
+    rates: dict[float, float] = {}
+    for tokens in MOE_TOKENS:
+        x = (torch.randn(tokens, hidden) * 0.1).to(torch.bfloat16)
+        ids = ((torch.arange(tokens)[:, None] * top_k + torch.arange(top_k)) % experts)
+        ids = ids.to(torch.int32).contiguous()
+        weights = torch.full((tokens, top_k), 1.0 / top_k, dtype=torch.float32)
+        out = torch.empty_like(x)
+
+        def call():
+            w13, w2 = next(sets)
+            op(out, x, w13, w2, None, None, weights, ids, False, "silu", isa)
+
+        pairs = tokens * top_k
+        touched = min(experts, pairs)
+        rows = pairs / touched
+        flops = 2.0 * pairs * 3 * hidden * inter
+        rates[rows] = max(rates.get(rows, 0.0), _best_rate(call, flops, seconds=0.2))
+    return rates
 
 
 # ------------------------------------------------------------ framework overhead
@@ -192,7 +265,8 @@ def _make_connector(role: str, port: int, max_tokens: int):
     from vllm.afd.config import AFDConfig
     from vllm.afd.transport.connectors.registry import create_connector
 
-    return create_connector(AFDConfig(role=role, connector="shm", port=port, timeout_s=60),
+    return create_connector(AFDConfig(role=role, connector="shm", port=port, timeout_s=60,
+                                      connector_extra_config={"spin_us": LINK_SPIN_US}),
                             hidden_size=LINK_HIDDEN, dtype=torch.bfloat16,
                             max_tokens=max_tokens)
 
@@ -268,8 +342,8 @@ def fit_link(round_trips: dict[int, float]) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------ profile
-def _table(rows: dict[int, float]) -> str:
-    keys = ", ".join(str(r) for r in rows)
+def _table(rows: dict[float, float]) -> str:
+    keys = ", ".join(f"{r:g}" for r in rows)
     values = ", ".join(f"{v:.4g}" for v in rows.values())
     return f"{{ rows = [{keys}], flops = [{values}] }}"
 
@@ -288,6 +362,7 @@ def measure() -> dict:
     latency, bandwidth = fit_link(trips)
     result = {"cores": cores, "link": {"round_trips": trips, "latency": latency,
                                        "bandwidth": bandwidth}}
+    kernel = vllm_moe_kernel()
     for name, core_set in (("device", {cores[0]}), ("colocated", set(cores))):
         os.sched_setaffinity(0, core_set)
         threads = len(core_set)
@@ -295,8 +370,10 @@ def measure() -> dict:
             "threads": threads,
             "bandwidth": memory_bandwidth(threads),
             "gemm": {d: gemm_flops(threads, d) for d in ("bf16", "fp32")},
+            "moe": moe_flops(threads, kernel) if kernel else {},
             "overhead": layer_overheads(threads),
         }
+    result["moe_isa"] = kernel[2] if kernel else None
     result["seconds"] = time.monotonic() - t0
     return result
 
@@ -327,6 +404,8 @@ def profile_text(m: dict) -> str:
             f"fp32 = {max(gemm['fp32'].values()):.4g}",
             f"bf16_by_rows = {_table(gemm['bf16'])}",
             f"fp32_by_rows = {_table(gemm['fp32'])}",
+            *([f"# vLLM's cpu_fused_moe ({m['moe_isa']}), bench-model experts, by rows per expert",
+               f"bf16_moe_by_rows = {_table(d['moe'])}"] if d["moe"] else []),
             "",
             f"[{prefix}memory]",
             f"bandwidth = {d['bandwidth']:.4g}  # streaming read of {BANDWIDTH_BUFFER_BYTES >> 20} MiB",

@@ -31,9 +31,12 @@ class Part:
     bound: str  # "memory" or "compute" (which side of the roofline), or "link"
 
 
-def roofline(hw: Hardware, dtype: str, bytes_read: float, flops: float, rows: float) -> Part:
+def roofline(hw: Hardware, dtype: str, bytes_read: float, flops: float, rows: float,
+             moe: bool = False) -> Part:
+    """moe: the routed experts, whose kernel a cpu profile measures by itself."""
     memory = bytes_read / hw.memory_bandwidth
-    compute = flops / hw.flops(dtype, rows) if flops else 0.0
+    rate = hw.moe_flops(dtype, rows) if moe else hw.flops(dtype, rows)
+    compute = flops / rate if flops else 0.0
     return Part(max(memory, compute), "memory" if memory >= compute else "compute")
 
 
@@ -73,7 +76,7 @@ def ffn_layer(model: ModelShape, hw: Hardware, tokens: float, ffn_devices: int,
     tp_params = (model.shared_params() + model.router_params()) / ffn_devices
     rows_per_expert = pairs / touched if touched else 0.0
     experts_part = roofline(hw, model.weight_dtype, touched * model.expert_params() * wb,
-                            2.0 * pairs * model.expert_params(), rows_per_expert)
+                            2.0 * pairs * model.expert_params(), rows_per_expert, moe=True)
     rest = roofline(hw, model.weight_dtype, tp_params * wb, 2.0 * tokens * tp_params, tokens)
     # separate rooflines: an expert GEMM has its own tokens as rows, the shared
     # experts and the router all of them

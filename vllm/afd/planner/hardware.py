@@ -40,8 +40,9 @@ class Hardware:
     memory_bandwidth: float
     memory_capacity: float
     links: dict[str, Link]
-    # dtype -> (rows, FLOP/s) ascending; absent: the peak at every row count
-    flops_by_rows: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = field(
+    # dtype -> (rows, FLOP/s) ascending; absent: the peak at every row count.
+    # "<dtype>_moe": the routed experts' kernel, by rows per expert (cpu profiles)
+    flops_by_rows: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = field(
         default_factory=dict)
     attention_layer_overhead: float = 0.0  # seconds per layer and micro-batch
     ffn_layer_overhead: float = 0.0
@@ -56,9 +57,23 @@ class Hardware:
         no fast path for (fp8 on A100 or Ascend) runs at its bf16 rate."""
         if dtype not in self.peak_flops:
             dtype = "bf16" if "bf16" in self.peak_flops else next(iter(self.peak_flops))
-        table = self.flops_by_rows.get(dtype)
+        return self._rate(self.flops_by_rows.get(dtype), self.peak_flops[dtype], rows)
+
+    def moe_flops(self, dtype: str, rows_per_expert: float) -> float:
+        """FLOP/s of the routed experts' GEMMs with `rows_per_expert` tokens per
+        touched expert: the measured MoE kernel where the profile has one (a cpu
+        profile: vLLM's CPU kernel, weights read from memory), else a GEMM's."""
+        table = self.flops_by_rows.get(f"{dtype}_moe")
+        if table is None and dtype not in self.peak_flops and "bf16_moe" in self.flops_by_rows:
+            table = self.flops_by_rows["bf16_moe"]  # as flops(): no fast path for dtype
+        if table is None:
+            return self.flops(dtype, rows_per_expert)
+        return self._rate(table, max(table[1]), rows_per_expert)
+
+    @staticmethod
+    def _rate(table, peak: float, rows: float) -> float:
         if not table:
-            return self.peak_flops[dtype]
+            return peak
         rows_list, rates = table
         if rows <= rows_list[0]:
             # below the smallest measured row count the rate scales with the rows
@@ -78,7 +93,7 @@ class Hardware:
 def _parse(data: dict, name: str, path: str) -> Hardware:
     compute = data.get("compute", {})
     peaks = {k: float(v) for k, v in compute.items() if not isinstance(v, dict)}
-    tables = {k.removesuffix("_by_rows"): (tuple(int(r) for r in v["rows"]),
+    tables = {k.removesuffix("_by_rows"): (tuple(float(r) for r in v["rows"]),
                                            tuple(float(f) for f in v["flops"]))
               for k, v in compute.items() if isinstance(v, dict)}
     links = {k: Link(float(data[k]["bandwidth"]), float(data[k]["latency"]))
