@@ -9,8 +9,13 @@ gets on the same cores):
 - memory bandwidth: a streaming read of a buffer far larger than the caches;
 - matmul FLOP/s per dtype as a function of the rows (tokens) of the activation:
   small-row GEMMs run far below the core's peak on a CPU, so the profile keeps a
-  table instead of one number (the weight, 2048 x 2048, stays in the last-level cache
-  so the table is compute, not memory);
+  table instead of one number. bf16 where vLLM's CPU kernels load: vLLM's own dense
+  GEMM (oneDNN, as its CPU linear layers dispatch), at the bench model's attention
+  projection shapes with the weights of several layers in turn, so the rate is what
+  a layer gets with its weights read from memory (on the 2026-12-03 AVX-512 VM
+  1.5 ms for one token's projections against 0.75 ms that the streaming bandwidth
+  alone would allow). Otherwise, and for fp32, torch's linear on a 2048 x 2048
+  weight that stays in the last-level cache (compute, not memory);
 - the same-host link: round trips of a hidden-state payload through the project's
   real shm connector between two processes on two cores (attention end, echo FFN
   end), per payload size; its fixed part and bandwidth by a least-squares line;
@@ -50,7 +55,11 @@ LINK_TOKENS = (1, 8, 16, 32, 64, 128)
 # Waits spin as they do in `make bench` (its --spin-us default: a core per role).
 # Unspun, every message is a wake-up: ~380 us one way on the 2026-12-03 VM.
 LINK_SPIN_US = 50000
+LINK_LAYERS = 8
 BANDWIDTH_BUFFER_BYTES = 256 << 20
+# vLLM's dense CPU GEMM: the bench model's qkv and o projections (out, in), weight sets
+DENSE_SHAPES = ((3072, 2048), (2048, 2048))
+DENSE_WEIGHT_SETS = 8
 # vLLM's CPU MoE kernel: experts, top-k, hidden, intermediate of the bench model
 # (tools/make_tiny_models.py bench-qwen3-moe), tokens per call, weight sets rotated
 MOE_SHAPE = (16, 4, 2048, 384)
@@ -125,6 +134,45 @@ def gemm_flops(threads: int, dtype_name: str) -> dict[int, float]:
         x = torch.randn(rows, GEMM_SIZE).to(dtype)
         out[rows] = _best_rate(lambda: torch.nn.functional.linear(x, weight),
                                2.0 * rows * GEMM_SIZE * GEMM_SIZE, seconds=0.1)
+    return out
+
+
+def vllm_dense_gemm():
+    """vLLM's `_custom_ops` where its CPU linear layers dispatch to oneDNN
+    (dispatch_cpu_unquantized_gemm), else None."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return None
+        current_platform.import_kernels()
+        from vllm import _custom_ops as ops
+
+        return ops if getattr(ops, "_supports_onednn", False) else None
+    except Exception as e:  # noqa: BLE001 - any failure means: no such kernel here
+        logger.info("vLLM's oneDNN GEMM is not available (%s): torch linear stands in", e)
+        return None
+
+
+def dense_flops(threads: int, ops) -> dict[int, float]:
+    """bf16 FLOP/s of vLLM's oneDNN GEMM by activation rows, one attention
+    layer's projections per call, the weights of DENSE_WEIGHT_SETS layers in turn."""
+    import torch
+
+    torch.set_num_threads(threads)
+    layers = [[ops.create_onednn_mm((torch.randn(n, k) * 0.02).to(torch.bfloat16).t(), 32)
+               for n, k in DENSE_SHAPES] for _ in range(DENSE_WEIGHT_SETS)]
+    sets = itertools.cycle(layers)
+    params = sum(n * k for n, k in DENSE_SHAPES)
+    out = {}
+    for rows in GEMM_ROWS:
+        x = (torch.randn(rows, DENSE_SHAPES[0][1]) * 0.1).to(torch.bfloat16)
+
+        def call():
+            for handler in next(sets):
+                ops.onednn_mm(handler, x, None)
+
+        out[rows] = _best_rate(call, 2.0 * rows * params, seconds=0.1)
     return out
 
 
@@ -284,14 +332,16 @@ def _echo_ffn(port: int, core: int, max_tokens: int) -> None:
             step = ffn.recv_step(0)
             if step.is_goodbye or step.is_shutdown:
                 return
-            for u in range(len(step.num_tokens)):
-                ffn.send_output(0, 0, u, ffn.recv_hidden(0, 0, u))
+            for layer in range(LINK_LAYERS):
+                ffn.send_output(0, layer, 0, ffn.recv_hidden(0, layer, 0))
     finally:
         ffn.close()
 
 
 def shm_round_trips(cores: list[int], iters: int = 200) -> dict[int, float]:
-    """Median round-trip seconds per payload (bytes one way), one layer per step."""
+    """Median round-trip seconds per payload (bytes one way): layer calls of
+    LINK_LAYERS-layer steps, as the bench model's (the step header is not a
+    layer call's cost)."""
     import torch
 
     from vllm.afd.transport import wire
@@ -310,15 +360,18 @@ def shm_round_trips(cores: list[int], iters: int = 200) -> dict[int, float]:
         step_ids = itertools.count()
         # Sizes interleaved, so a burst of load elsewhere on the host hits them all
         # alike and the line fit stays meaningful.
-        for i in range(iters + 20):
+        for i in range(iters // LINK_LAYERS + 5):
             for tokens, h in payloads.items():
-                t0 = time.perf_counter()
                 attn.send_step(wire.StepHeader(step_id=next(step_ids),
                                                num_tokens=[tokens]))
-                attn.send_hidden(0, 0, h)
-                attn.recv_output(0, 0, out=results[tokens])
-                if i >= 20:  # warm-up: the first steps map pages and wake threads
-                    times[tokens].append(time.perf_counter() - t0)
+                for layer in range(LINK_LAYERS):
+                    t0 = time.perf_counter()
+                    attn.send_hidden(layer, 0, h)
+                    attn.recv_output(layer, 0, out=results[tokens])
+                    # warm-up: the first steps map pages and wake threads; a
+                    # step's first call waits while the echo reads the header
+                    if i >= 5 and layer:
+                        times[tokens].append(time.perf_counter() - t0)
         out = {t * LINK_HIDDEN * 2: statistics.median(v) for t, v in times.items()}
     finally:
         attn.close()
@@ -362,18 +415,20 @@ def measure() -> dict:
     latency, bandwidth = fit_link(trips)
     result = {"cores": cores, "link": {"round_trips": trips, "latency": latency,
                                        "bandwidth": bandwidth}}
-    kernel = vllm_moe_kernel()
+    kernel, dense = vllm_moe_kernel(), vllm_dense_gemm()
     for name, core_set in (("device", {cores[0]}), ("colocated", set(cores))):
         os.sched_setaffinity(0, core_set)
         threads = len(core_set)
         result[name] = {
             "threads": threads,
             "bandwidth": memory_bandwidth(threads),
-            "gemm": {d: gemm_flops(threads, d) for d in ("bf16", "fp32")},
+            "gemm": {"bf16": dense_flops(threads, dense) if dense else gemm_flops(threads, "bf16"),
+                     "fp32": gemm_flops(threads, "fp32")},
             "moe": moe_flops(threads, kernel) if kernel else {},
             "overhead": layer_overheads(threads),
         }
     result["moe_isa"] = kernel[2] if kernel else None
+    result["bf16_gemm"] = "vLLM's oneDNN GEMM" if dense else "torch linear"
     result["seconds"] = time.monotonic() - t0
     return result
 
@@ -399,7 +454,8 @@ def profile_text(m: dict) -> str:
     def section(prefix: str, d: dict) -> None:
         gemm = d["gemm"]
         lines.extend([
-            f"[{prefix}compute]  # torch linear, {d['threads']} thread(s), best rate per row count",
+            f"[{prefix}compute]  # {d['threads']} thread(s), best rate per row count; bf16: "
+            f"{m['bf16_gemm']}, fp32: torch linear",
             f"bf16 = {max(gemm['bf16'].values()):.4g}",
             f"fp32 = {max(gemm['fp32'].values()):.4g}",
             f"bf16_by_rows = {_table(gemm['bf16'])}",
@@ -420,7 +476,7 @@ def profile_text(m: dict) -> str:
     section("", m["device"])
     link = m["link"]
     lines.extend([
-        "[same_host]  # the shm connector, two processes on two cores, one layer per step",
+        f"[same_host]  # the shm connector, two processes on two cores, {LINK_LAYERS} layers a step",
         f"latency = {link['latency']:.4g}  # one way: half the fitted zero-byte round trip",
         f"bandwidth = {link['bandwidth']:.4g}",
         f"round_trip_by_bytes = {{ {', '.join(f'b{b} = {t:.4g}' for b, t in link['round_trips'].items())} }}",
