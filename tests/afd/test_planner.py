@@ -279,8 +279,8 @@ def test_profile_and_bench_of_one_model_name_but_another_isa_do_not_compare():
 # afternoon, an AVX-512 AMD EPYC VM where the FFN bounds the step): with vLLM's own
 # kernels in the calibration (oneDNN for dense GEMMs, cpu_fused_moe for the experts)
 # the ratio is within 15 % in 7 of 16 cells, the FFN in 3, the link in 2, attention
-# in none (-21 to -64 %: vLLM's per-layer attention work beyond the projections, about
-# 0.8 ms a layer here, is not in any kernel the calibration times); the AVX2 host of
+# in none (-21 to -64 %: vLLM's per-layer attention work beyond the projections, 0.5-0.7
+# ms a layer here, is not in any kernel the calibration times); the AVX2 host of
 # that morning missed the other way (README "Planning a deployment" has the tables).
 # strict: once a re-calibration meets 15 % everywhere for a part, this xfail fails and
 # must go.
