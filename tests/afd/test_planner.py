@@ -6,8 +6,11 @@ No engine runs here; the whole module takes a few seconds."""
 
 import dataclasses
 import json
+import os
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -246,17 +249,28 @@ def test_a_measured_moe_kernel_prices_the_routed_experts_and_only_them():
         cost.attention_layer(model, fast_gemm, tokens, 64)
 
 
+CALIBRATE_MOE = """
+import json
+from vllm.afd.planner import calibrate
+kernel = calibrate.vllm_moe_kernel()
+print(json.dumps(None if kernel is None else calibrate.moe_flops(1, kernel)))
+"""
+
+
 def test_calibration_times_vllms_own_moe_kernel():
     """Where vLLM's CPU kernels load (the CPU wheel), calibrate measures the
     kernel vLLM's CPUUnquantizedExperts runs: a rate per rows-per-expert, which
     grows with the rows (one row per expert is bound by reading its weights,
-    sixteen share one read)."""
-    from vllm.afd.planner import calibrate
-
-    kernel = calibrate.vllm_moe_kernel()
-    if kernel is None:
+    sixteen share one read). In a process of its own: resolving vLLM's platform
+    sets environment variables, and the measurement torch's thread count, which
+    the tests after it in this process must not inherit."""
+    out = subprocess.run([sys.executable, "-c", CALIBRATE_MOE], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rates = json.loads(out.stdout.strip().splitlines()[-1])
+    if rates is None:
         pytest.skip("vLLM's CPU kernels do not load here (not the CPU flavor)")
-    rates = calibrate.moe_flops(1, kernel)
+    rates = {float(k): v for k, v in rates.items()}
     assert sorted(rates) == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
     assert all(r > 1e8 for r in rates.values())
     assert rates[16.0] > 2 * rates[1.0]
