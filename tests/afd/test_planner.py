@@ -6,7 +6,6 @@ No engine runs here; the whole module takes a few seconds."""
 
 import dataclasses
 import json
-import os
 import random
 import re
 import subprocess
