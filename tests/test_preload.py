@@ -100,6 +100,20 @@ def test_the_test_process_importing_vllm_changes_nothing(monkeypatch):
     assert type(proc) is subprocess.Popen and proc.wait(60) == 0
 
 
+def test_the_test_process_building_a_vllm_config_changes_nothing(models_dir):
+    """Building a config sets variables to constants (vLLM's CPU platform:
+    VLLM_SSM_CONV_STATE_LAYOUT, NUMEXPR_MAX_THREADS, ...; ray's import:
+    RAY_CLIENT_MODE): a preloader started before the test process built one
+    still forks what it starts after (tests/afd/test_config.py builds them)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    proc = preload.popen([sys.executable, "-c", "pass"])
+    assert isinstance(proc, preload.ForkedProcess) and proc.wait(60) == 0
+    EngineArgs(model=str(models_dir / "tiny-qwen3-moe")).create_engine_config()
+    proc = preload.popen([sys.executable, "-c", "pass"])
+    assert isinstance(proc, preload.ForkedProcess) and proc.wait(60) == 0
+
+
 def test_what_it_cannot_be_starts_as_a_subprocess(tmp_path):
     # Another program; an interpreter flag; a variable read while vLLM imports.
     for cmd, env in [(["true"], None), ([sys.executable, "-I", "-c", "pass"], None),
