@@ -24,28 +24,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include <atomic>
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-static inline void floor_relax() { _mm_pause(); }
-#elif defined(__aarch64__)
-static inline void floor_relax() { asm volatile("yield" ::: "memory"); }
-#else
-static inline void floor_relax() {}
-#endif
+#include "spin.h"
 
 namespace {
-
-int64_t floor_now_ns() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-}
 
 bool pin_to(int core) {
   if (core >= CPU_SETSIZE) return false;
@@ -67,13 +53,13 @@ constexpr uint32_t kStop = 0xffffffffu;
 // Spin until word holds want; gives up (false) on kStop or after ~2 s (the
 // other thread could not be pinned or never ran: an oversubscribed host).
 bool spin_until(const Word& word, uint32_t want) {
-  int64_t start = floor_now_ns();
+  int64_t start = afd_now_ns();
   for (uint32_t i = 1;; ++i) {
     uint32_t seen = word.value.load(std::memory_order_acquire);
     if (seen == want) return true;
     if (seen == kStop) return false;
-    floor_relax();
-    if ((i & 0xffff) == 0 && floor_now_ns() - start > 2000000000LL) return false;
+    afd_cpu_relax();
+    if ((i & 0xffff) == 0 && afd_now_ns() - start > 2000000000LL) return false;
   }
 }
 
@@ -122,11 +108,11 @@ const char* run_floor(size_t nbytes, int iters, int core_a, int core_b,
   bool restore = pthread_getaffinity_np(pthread_self(), sizeof(saved), &saved) == 0;
   const char* error = nullptr;
   if (!pin_to(core_a)) error = "copy_floor: cannot pin to core_a";
-  while (error == nullptr && !pinned_b.load() && !failed_b.load()) floor_relax();
+  while (error == nullptr && !pinned_b.load() && !failed_b.load()) afd_cpu_relax();
   if (failed_b.load()) error = "copy_floor: cannot pin to core_b";
   int warmup = iters / 10;
   for (int i = 1; error == nullptr && i <= iters; ++i) {
-    int64_t t0 = floor_now_ns();
+    int64_t t0 = afd_now_ns();
     memcpy(fwd, src, nbytes);
     to_ffn.value.store(static_cast<uint32_t>(i), std::memory_order_release);
     if (!spin_until(to_attention, static_cast<uint32_t>(i))) {
@@ -134,7 +120,7 @@ const char* run_floor(size_t nbytes, int iters, int core_a, int core_b,
       break;
     }
     memcpy(dst, back, nbytes);
-    int64_t t1 = floor_now_ns();
+    int64_t t1 = afd_now_ns();
     if (i > warmup) out.push_back(t1 - t0);
   }
   if (error != nullptr) to_ffn.value.store(kStop);

@@ -25,14 +25,7 @@
 #include <sys/socket.h>
 #include <time.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-static inline void cpu_relax() { _mm_pause(); }
-#elif defined(__aarch64__)
-static inline void cpu_relax() { asm volatile("yield" ::: "memory"); }
-#else
-static inline void cpu_relax() {}
-#endif
+#include "spin.h"
 
 #ifndef POLLRDHUP
 #define POLLRDHUP 0
@@ -44,12 +37,6 @@ namespace {
 // the spinner lost its core for a scheduler time slice (milliseconds), not
 // for an interrupt or a short-lived thread of its own process.
 constexpr int64_t kPreemptedNs = 500000;
-
-int64_t now_ns() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-}
 
 // This thread's involuntary context switches so far: the times the kernel
 // took its core for another runnable thread (-1 where unknown).
@@ -97,7 +84,7 @@ extern "C" {
 int afd_doorbell_wait(const uint32_t* word, uint32_t* sleeping, uint32_t seen, int fd,
                       int64_t spin_ns, int timeout_ms, const uint32_t* abort) {
   if (changed(word, seen)) return 1;
-  const int64_t start = now_ns();
+  const int64_t start = afd_now_ns();
   bool preempted = false;
   if (spin_ns > 0) {
     int64_t last = start;
@@ -105,12 +92,12 @@ int afd_doorbell_wait(const uint32_t* word, uint32_t* sleeping, uint32_t seen, i
     // system call would delay an answer that is already on its way.
     int64_t switches = -1;
     for (uint32_t i = 1;; ++i) {
-      cpu_relax();
+      afd_cpu_relax();
       if (changed(word, seen))
-        return now_ns() - last > kPreemptedNs && lost_core(switches) ? 2 : 1;
+        return afd_now_ns() - last > kPreemptedNs && lost_core(switches) ? 2 : 1;
       if ((i & 63) == 0) {
         if (__atomic_load_n(abort, __ATOMIC_RELAXED)) return -1;
-        const int64_t t = now_ns();
+        const int64_t t = afd_now_ns();
         if (t - last > kPreemptedNs) {
           // Spinning pays only on a core of our own. A gap between two checks
           // can mean the scheduler gave the core to another thread (more
@@ -144,7 +131,7 @@ int afd_doorbell_wait(const uint32_t* word, uint32_t* sleeping, uint32_t seen, i
       __atomic_store_n(sleeping, 0u, __ATOMIC_SEQ_CST);
       return -1;
     }
-    const int64_t left_ns = deadline - now_ns();
+    const int64_t left_ns = deadline - afd_now_ns();
     pollfd p = {fd, static_cast<short>(POLLIN | POLLRDHUP), 0};
     int r = left_ns > 0 ? poll(&p, 1, static_cast<int>((left_ns + 999999) / 1000000)) : 0;
     __atomic_store_n(sleeping, 0u, __ATOMIC_SEQ_CST);

@@ -9,7 +9,8 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
-#include <time.h>
+
+#include "spin.h"
 
 extern "C" int afd_doorbell_wait(const uint32_t* word, uint32_t* sleeping, uint32_t seen,
                                  int fd, int64_t spin_ns, int timeout_ms,
@@ -31,12 +32,6 @@ constexpr int kLengthBytes = 4;
 constexpr int kBackoffPreemptions = 3, kSpinHistory = 8;
 constexpr int64_t kMinBackoffNs = 100000000, kMaxBackoffNs = 1000000000;
 constexpr const char kCapsule[] = "vllm_afd.lane";
-
-inline int64_t now_ns() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-}
 
 struct Lane {
   uint8_t* tx;  // the ring this side sends on
@@ -92,7 +87,7 @@ struct Lane {
   int wait(int64_t spin_ns, int timeout_ms) {
     // Only a wait for an entry not there yet spins (and counts as a spin).
     const bool there = __atomic_load_n(word(rx, kHead), __ATOMIC_ACQUIRE) != received;
-    const int64_t t = there || spin_ns <= 0 ? 0 : now_ns();
+    const int64_t t = there || spin_ns <= 0 ? 0 : afd_now_ns();
     if (t != 0 && !may_spin(t)) spin_ns = 0;
     int status = afd_doorbell_wait(word(rx, kHead), word(rx, kSleeping), received, fd,
                                    spin_ns, timeout_ms, &abort);

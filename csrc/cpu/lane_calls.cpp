@@ -216,9 +216,9 @@ PyObject* lane_post_call(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "OkkK", &capsule, &ubatch, &layer, &src)) return nullptr;
   Prepared* p = prepared_of(capsule);
   if (p == nullptr || !usable(p->send, ubatch)) return nullptr;
-  const int64_t t0 = now_ns();
+  const int64_t t0 = afd_now_ns();
   const int status = post(p, p->send[ubatch], layer, src);
-  p->send_ns += now_ns() - t0;
+  p->send_ns += afd_now_ns() - t0;
   if (status != 1) ++p->calls;
   return PyLong_FromLong(status);
 }
@@ -234,10 +234,10 @@ PyObject* lane_take_call(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "OkkK", &capsule, &ubatch, &layer, &dst)) return nullptr;
   Prepared* p = prepared_of(capsule);
   if (p == nullptr || !usable(p->recv, ubatch)) return nullptr;
-  const int64_t t0 = now_ns();
+  const int64_t t0 = afd_now_ns();
   bool done;
   Py_BEGIN_ALLOW_THREADS done = take(p, p->recv[ubatch], layer, dst);
-  Py_END_ALLOW_THREADS p->wait_ns += now_ns() - t0;
+  Py_END_ALLOW_THREADS p->wait_ns += afd_now_ns() - t0;
   return PyBool_FromLong(done);
 }
 

@@ -137,21 +137,31 @@ def gemm_flops(threads: int, dtype_name: str) -> dict[int, float]:
     return out
 
 
-def vllm_dense_gemm():
-    """vLLM's `_custom_ops` where its CPU linear layers dispatch to oneDNN
-    (dispatch_cpu_unquantized_gemm), else None."""
+def _vllm_cpu_kernels_loaded(what: str) -> bool:
+    """Whether vLLM's CPU kernels are loaded (as its CPU platform loads them for
+    this ISA); where they cannot be (no vLLM, a GPU build), torch stands in for
+    `what` and the calibration says so."""
     try:
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu():
-            return None
-        current_platform.import_kernels()
-        from vllm import _custom_ops as ops
-
-        return ops if getattr(ops, "_supports_onednn", False) else None
+        if current_platform.is_cpu():
+            current_platform.import_kernels()
+            return True
+        reason = "not a CPU build"
     except Exception as e:  # noqa: BLE001 - any failure means: no such kernel here
-        logger.info("vLLM's oneDNN GEMM is not available (%s): torch linear stands in", e)
+        reason = str(e)
+    logger.info("vLLM's %s is not available (%s): torch linear stands in", what, reason)
+    return False
+
+
+def vllm_dense_gemm():
+    """vLLM's `_custom_ops` where its CPU linear layers dispatch to oneDNN
+    (dispatch_cpu_unquantized_gemm), else None."""
+    if not _vllm_cpu_kernels_loaded("oneDNN GEMM"):
         return None
+    from vllm import _custom_ops as ops
+
+    return ops if getattr(ops, "_supports_onednn", False) else None
 
 
 def dense_flops(threads: int, ops) -> dict[int, float]:
@@ -180,20 +190,15 @@ def vllm_moe_kernel():
     """(cpu_fused_moe, prepack, isa) from vLLM's CPU kernels as vLLM itself picks
     them (CPUUnquantizedExperts: AMX where the CPU has it, else the vector
     path), or None where they do not load (no vLLM, a GPU build)."""
-    try:
-        import torch
+    import torch
 
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            return None
-        current_platform.import_kernels()
-        op, prepack = torch.ops._C.cpu_fused_moe, torch.ops._C.prepack_moe_weight
-    except Exception as e:  # noqa: BLE001 - any failure means: no such kernel here
-        logger.info("vLLM's CPU MoE kernel is not available (%s): torch linear stands in", e)
+    if not _vllm_cpu_kernels_loaded("CPU MoE kernel"):
         return None
-    isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"
-    return op, prepack, isa
+    try:
+        op, prepack = torch.ops._C.cpu_fused_moe, torch.ops._C.prepack_moe_weight
+    except (AttributeError, RuntimeError):  # a build of vLLM's CPU kernels without it
+        return None
+    return op, prepack, "amx" if torch.cpu._is_amx_tile_supported() else "vec"
 
 
 def moe_flops(threads: int, kernel) -> dict[float, float]:
