@@ -121,3 +121,46 @@ def test_what_it_cannot_be_starts_as_a_subprocess(tmp_path):
                       dict(os.environ, VLLM_LOGGING_LEVEL="ERROR"))]:
         proc = preload.popen(cmd, env=env)
         assert type(proc) is subprocess.Popen and proc.wait(60) == 0
+
+
+SPAWN_PROBE = """
+import multiprocessing, os, socket, sys
+
+def child(inodes):
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    print("forked" if "vllm" in sys.modules else "spawned",
+          *("holds" if f"socket:[{inode}]" in links else "free" for inode in inodes), flush=True)
+
+if __name__ == "__main__":
+    listening = socket.create_server(("127.0.0.1", 0))
+    bound = socket.socket()  # as vLLM's HTTP socket while the engine core starts
+    bound.bind(("127.0.0.1", 0))
+    p = multiprocessing.get_context("spawn").Process(
+        target=child, args=([os.fstat(s.fileno()).st_ino for s in (listening, bound)],))
+    p.start()
+    p.join(60)
+    sys.exit(p.exitcode)
+"""
+
+
+@pytest.mark.parametrize("fork_spawn", ["1", "0"])
+def test_a_process_forked_for_spawn_holds_no_server_socket(tmp_path, fork_spawn):
+    """A spawned process inherits none of its parent's sockets, so the one
+    forked in its place must not share the parent's HTTP socket either: vLLM's
+    API server binds it before starting its engine core, and at shutdown its
+    "who holds my port" check met a force-killed, unreaped worker holding it,
+    and the server exited 1 (the soak test in CI). Fails without
+    tools/preload.py's _release_server_sockets ("forked holds holds")."""
+    (tmp_path / "spawn_probe.py").write_text(SPAWN_PROBE)
+    env = dict(os.environ, VLLM_AFD_TEST_FORK_SPAWN=fork_spawn)
+    proc = preload.popen([sys.executable, str(tmp_path / "spawn_probe.py")],
+                         stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, env=env)
+    assert isinstance(proc, preload.ForkedProcess)
+    out = proc.stdout.read()
+    assert proc.wait(120) == 0
+    assert out.split() == ["forked" if fork_spawn == "1" else "spawned", "free", "free"], out

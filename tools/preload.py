@@ -24,10 +24,12 @@ forks the processes multiprocessing would *spawn* (vLLM's engine core and
 workers: its CPU platform always spawns, and each spawned process imports vLLM
 again) from itself, as multiprocessing's "fork" method does. That one is not
 the same: a forked engine core inherits the server process's state, a spawned
-one rebuilds it from what is pickled to it. Tests that must run vLLM's real
-start method turn it off (their environment: VLLM_AFD_TEST_FORK_SPAWN=0), and
-so do all processes the suite does not start through here (the launcher's
-servers under Ray, the installed wheel's `vllm serve`).
+one rebuilds it from what is pickled to it (the parent's server sockets,
+which a spawned one would not have, are pointed at /dev/null in it). Tests
+that must run vLLM's real start method turn it off (their environment:
+VLLM_AFD_TEST_FORK_SPAWN=0), and so do all processes the suite does not start
+through here (the launcher's servers under Ray, the installed wheel's `vllm
+serve`).
 
     python tools/preload.py --serve SOCKET    # the preloader (started by popen)
 """
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import multiprocessing.popen_fork
 import os
 import selectors
 import signal
@@ -117,9 +120,7 @@ def _run_child(request: dict, fds: list[int], own_fds: list[int],
             # workers: the CPU platform always spawns) forked from this process
             # instead of started anew, which would import vLLM again.
             import multiprocessing.context
-            import multiprocessing.popen_fork
-            multiprocessing.context.SpawnProcess._Popen = staticmethod(
-                multiprocessing.popen_fork.Popen)
+            multiprocessing.context.SpawnProcess._Popen = staticmethod(_ForkLikeSpawn)
         args = request["args"]
         if args[0] == "-m":
             import runpy
@@ -166,6 +167,64 @@ def _run_child(request: dict, fds: list[int], own_fds: list[int],
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGINT)
             os._exit(code)
+
+
+def server_socket_fds() -> list[int]:
+    """This process's file descriptors that are TCP server sockets: bound to a
+    port and connected to nothing, listening or not yet (vLLM binds its HTTP
+    socket early and uvicorn calls listen() on it later)."""
+    fds = []
+    for entry in Path("/proc/self/fd").iterdir():
+        try:
+            if not os.readlink(entry).startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(entry.name)))
+        except OSError:  # the directory's own fd, closed meanwhile
+            continue
+        with sock:
+            if (sock.family not in (socket.AF_INET, socket.AF_INET6)
+                    or sock.type != socket.SOCK_STREAM or sock.getsockname()[1] == 0):
+                continue
+            try:
+                sock.getpeername()
+            except OSError:  # not connected: a server's socket
+                fds.append(int(entry.name))
+    return fds
+
+
+def _release_server_sockets() -> None:
+    """A spawned process inherits none of its parent's sockets; a forked one
+    shares its server sockets until it exits. vLLM's API server binds its HTTP
+    socket before it starts the engine core (and listens on it once that is
+    up), so a forked engine core and its workers held the HTTP port too, and
+    at shutdown vLLM's "who holds my port" check (launchers/launcher.py,
+    serve_http) met the force-killed, not yet reaped worker, psutil raised
+    ZombieProcess from its cmdline() and the server exited 1 (the soak test,
+    once in CI). Each such fd is pointed at /dev/null rather than closed, so
+    its number stays taken while the inherited socket objects still name it."""
+    fds = server_socket_fds()
+    if fds:
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in fds:
+            os.dup2(null, fd)
+        os.close(null)
+
+
+class _ForkLikeSpawn(multiprocessing.popen_fork.Popen):
+    """multiprocessing's fork start, minus the parent's server sockets."""
+
+    def _launch(self, process_obj):
+        bootstrap = process_obj._bootstrap  # runs in the child only
+
+        def bootstrap_without_server_sockets(*args, **kwargs):
+            _release_server_sockets()
+            return bootstrap(*args, **kwargs)
+
+        process_obj._bootstrap = bootstrap_without_server_sockets
+        try:
+            super()._launch(process_obj)
+        finally:
+            del process_obj._bootstrap  # the class's method again
 
 
 def serve(path: str) -> None:
