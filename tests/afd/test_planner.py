@@ -313,6 +313,17 @@ def test_cpu_profile_and_bench_are_from_one_host(cpu_rows):
     assert all(r.predicted[p] > 0 and r.measured[p] > 0 for r in rows for p in benchcheck.PARTS)
 
 
+def test_the_auto_policys_run_is_predicted_at_the_m_its_rule_chose(cpu_rows):
+    """make bench's auto run records the m its rule chose at each B (its
+    num_ubatches is the most it may choose): each row is predicted at that m."""
+    bench, _, rows = cpu_rows
+    auto = bench["afd"]["afd_auto"]
+    chosen = {int(b): r["chosen_ubatches"] for b, r in auto["batches"].items()}
+    assert set(chosen.values()) != {auto["num_ubatches"]}  # the rule did not pick the top
+    auto_rows = rows[-len(chosen):]  # the auto run is the bench's last configuration
+    assert [(r.batch, r.microbatches) for r in auto_rows] == sorted(chosen.items())
+
+
 @pytest.mark.xfail(strict=True, reason="CPU prediction not within 15 % (see the comment)")
 @pytest.mark.parametrize("part", benchcheck.PARTS)
 def test_cpu_profile_predicts_make_bench_within_15_percent(cpu_rows, part):

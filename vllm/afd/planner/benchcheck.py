@@ -92,8 +92,10 @@ def compare(bench: dict, hw: Hardware) -> list[Row]:
     context = settings["prompt_tokens"] + settings["max_tokens_N"] // 2
     rows = []
     for config in bench["afd"].values():
-        m = config["num_ubatches"]
         for b, result in config["batches"].items():
+            # the auto policy's run: the m its rule chose at this B (its
+            # num_ubatches is the most it may choose)
+            m = result.get("chosen_ubatches") or config["num_ubatches"]
             split = result["split_ms"]
             measured = {"attention": (split["attention_compute"]
                                       + split["attention_outside_link"]) / 1e3,
