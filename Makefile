@@ -51,12 +51,15 @@ bench: $(WHEEL_STAMP)
 	$(PIP) install -q $(BENCH_REQUIREMENTS)
 	$(PY) benchmarks/afd_vs_colocated.py $(ARGS)
 
-# `vllm-afd plan`'s cpu profile re-measured on this host (about 30 s), then its
-# prediction against the last `make bench` (prints the table; misses beyond 15 % are
-# reported, not fatal), then the planner's tests (same host, strict xfail).
+# `vllm-afd plan`'s cpu profile re-measured on this host (about 2 min: the kernels,
+# the link, and the bench model's layers in plain vLLM), then its prediction against
+# the last `make bench` (prints the table; misses beyond 15 % are reported, not
+# fatal), then the planner's tests (same host, strict xfail).
 CPU_PROFILE := benchmarks/results/cpu-profile.toml
 plan-check: $(WHEEL_STAMP)
-	$(PY) -m vllm.afd.commands plan --calibrate --out $(CPU_PROFILE)
+	$(PY) tools/make_tiny_models.py --out $(MODELS) --models bench-qwen3-moe
+	$(PY) -m vllm.afd.commands plan --calibrate --out $(CPU_PROFILE) \
+		--calibrate-model $(MODELS)/bench-qwen3-moe
 	-$(PY) -m vllm.afd.commands plan --check-bench benchmarks/results/afd_vs_colocated.json \
 		--hardware $(CPU_PROFILE)
 	$(VENV)/bin/pytest -q -p no:randomly tests/afd/test_planner.py

@@ -16,7 +16,7 @@ import pytest
 
 from vllm.afd.planner import benchcheck, cost, pipeline
 from vllm.afd.planner.calibrate import fit_link
-from vllm.afd.planner.hardware import Link, builtin_names, load_hardware
+from vllm.afd.planner.hardware import EngineTable, Link, builtin_names, load_hardware
 from vllm.afd.planner.model import PRESETS, from_hf_config, load_model, transfer_bytes_per_token
 from vllm.afd.planner.search import REGIMES, evaluate, search
 
@@ -222,7 +222,7 @@ def test_a_measured_moe_kernel_prices_the_routed_experts_and_only_them():
     """A cpu profile's `bf16_moe_by_rows` (vLLM's CPU MoE kernel, calibrate.moe_flops)
     sets the experts' rate by rows per expert; the shared experts, the router and
     attention keep the GEMM table; without it the experts take the GEMM's."""
-    hw = load_hardware(str(CPU_PROFILE))
+    hw = dataclasses.replace(load_hardware(str(CPU_PROFILE)), engine=None)  # rooflines
     gemm_only = dataclasses.replace(hw, flops_by_rows={
         k: v for k, v in hw.flops_by_rows.items() if not k.endswith("_moe")})
     moe = {**gemm_only.flops_by_rows, "bf16_moe": ((1.0, 4.0), (1e9, 4e9))}
@@ -246,6 +246,48 @@ def test_a_measured_moe_kernel_prices_the_routed_experts_and_only_them():
     assert cost.ffn_layer(model, fast_gemm, tokens, 1).seconds < expected / 2
     assert cost.attention_layer(model, slow_kernel, tokens, 64) == \
         cost.attention_layer(model, fast_gemm, tokens, 64)
+
+
+def test_a_measured_engine_table_prices_its_model_and_only_it():
+    """A cpu profile's [engine] table (engine_probe.py: one model's layers in
+    plain vLLM) gives that model's attention layer, its FFN layer on one device
+    and its once-per-step work, linear in the tokens between the measured
+    counts; other models, the FFN over several devices and dense layers keep
+    the rooflines."""
+    hw = load_hardware(str(CPU_PROFILE))
+    table = EngineTable("bench-qwen3-moe", (1.0, 8.0, 32.0), (1e-3, 2e-3, 5e-3),
+                        (3e-3, 4e-3, 8e-3), (1e-2, 1.5e-2, 2e-2))
+    measured, rooflines = (dataclasses.replace(hw, engine=e) for e in (table, None))
+    model = load_model("bench-qwen3-moe")
+    assert model.name == "bench-qwen3-moe"
+    assert cost.attention_layer(model, measured, 8, 64) == cost.Part(2e-3, "measured")
+    assert cost.attention_layer(model, measured, 20, 64).seconds == pytest.approx(3.5e-3)
+    assert cost.attention_layer(model, measured, 0.5, 64).seconds == 1e-3  # flat below
+    assert cost.attention_layer(model, measured, 56, 64).seconds == pytest.approx(8e-3)
+    assert cost.ffn_layer(model, measured, 4, 1).seconds == pytest.approx(3.0e-3 + 1e-3 * 3 / 7)
+    assert cost.lm_head(model, measured, 32).seconds == 2e-2
+    for other in (cost.ffn_layer(model, measured, 4, 2), cost.ffn_layer(model, measured, 4, 1,
+                                                                          dense=True)):
+        assert other.bound != "measured"
+    assert cost.ffn_layer(model, measured, 4, 2) == cost.ffn_layer(model, rooflines, 4, 2)
+    renamed = dataclasses.replace(model, name="another-model")
+    assert cost.attention_layer(renamed, measured, 8, 64) == \
+        cost.attention_layer(renamed, rooflines, 8, 64)
+    assert cost.lm_head(renamed, measured, 8) == cost.lm_head(renamed, rooflines, 8)
+
+
+def test_the_engine_probe_times_a_models_layers_in_plain_vllm(models_dir):
+    """engine_probe.run: a real in-process vLLM engine on one core decodes at
+    each batch size; the table has a positive time per layer part and step for
+    each, and more tokens cost the mlp more (the tiny model's 8 experts, top-2:
+    1 token touches 2, 16 tokens nearly all)."""
+    from vllm.afd.planner import engine_probe
+
+    table = engine_probe.run(str(models_dir / "tiny-qwen3-moe"), [0], [1, 16], steps=6)
+    assert table["tokens"] == [1, 16]
+    for part in ("attention_layer", "ffn_layer", "step_other"):
+        assert len(table[part]) == 2 and all(0 < t < 1.0 for t in table[part]), (part, table)
+    assert table["ffn_layer"][1] > table["ffn_layer"][0], table
 
 
 CALIBRATE_MOE = """

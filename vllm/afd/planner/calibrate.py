@@ -406,8 +406,9 @@ def _table(rows: dict[float, float]) -> str:
     return f"{{ rows = [{keys}], flops = [{values}] }}"
 
 
-def measure() -> dict:
-    """Every number of the cpu profile, measured now."""
+def measure(model: str | None = None) -> dict:
+    """Every number of the cpu profile, measured now; with `model` (a checkpoint
+    directory) also its layers as plain vLLM runs them (engine_probe.py)."""
     cores = device_cores()
     t0 = time.monotonic()
     # The link first, before this process starts OpenMP threads.
@@ -432,6 +433,13 @@ def measure() -> dict:
             "moe": moe_flops(threads, kernel) if kernel else {},
             "overhead": layer_overheads(threads),
         }
+    if model is not None:
+        from vllm.afd.planner import engine_probe
+
+        os.sched_setaffinity(0, set(cores))
+        for name, core_set in (("device", cores[:1]), ("colocated", cores)):
+            result[name]["engine"] = {"model": Path(model).name,
+                                      **engine_probe.run(model, core_set)}
     result["moe_isa"] = kernel[2] if kernel else None
     result["bf16_gemm"] = "vLLM's oneDNN GEMM" if dense else "torch linear"
     result["seconds"] = time.monotonic() - t0
@@ -477,6 +485,17 @@ def profile_text(m: dict) -> str:
             f"ffn_layer = {d['overhead']['ffn_layer']:.4g}",
             "",
         ])
+        if "engine" in d:
+            e = d["engine"]
+            lines.extend([
+                f"[{prefix}engine]  # {e['model']} in plain vLLM, {d['threads']} thread(s): "
+                "seconds per decode token count,",
+                "# one layer's attention half, one mlp, the step's work outside the layers",
+                f'model = "{e["model"]}"',
+                *(f"{k} = [{', '.join(f'{v:.4g}' for v in e[k])}]"
+                  for k in ("tokens", "attention_layer", "ffn_layer", "step_other")),
+                "",
+            ])
 
     section("", m["device"])
     link = m["link"]
@@ -505,8 +524,8 @@ def _memory_capacity() -> float:
     return 0.0
 
 
-def calibrate(out: str | Path) -> Path:
-    m = measure()
+def calibrate(out: str | Path, model: str | None = None) -> Path:
+    m = measure(model)
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(profile_text(m) + "\n")

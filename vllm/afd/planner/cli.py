@@ -3,7 +3,7 @@
 """`vllm-afd plan`: its arguments and what each mode does.
 
   vllm-afd plan --model deepseek-v3 --hardware h200 --tpot-ms 50 --context 4096
-  vllm-afd plan --calibrate [--out FILE]                 # measure this host's `cpu` profile
+  vllm-afd plan --calibrate [--calibrate-model DIR] [--out FILE]  # this host's `cpu` profile
   vllm-afd plan --check-bench BENCH.json --hardware FILE # the profile against `make bench`
 """
 
@@ -43,6 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="write tokens/s per device against A:F")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this host's cpu profile (about 30 s) and write it to --out")
+    p.add_argument("--calibrate-model", metavar="DIR",
+                   help="with --calibrate: also run this checkpoint in plain vLLM on the "
+                        "profile's cores (about 1 min more) and record its layers' measured "
+                        "times, which the plan then uses for that model instead of the "
+                        "roofline (eager vLLM's work around the kernels, which no roofline "
+                        "sees)")
     p.add_argument("--out", default=DEFAULT_CPU_PROFILE,
                    help=f"where --calibrate writes (default {DEFAULT_CPU_PROFILE})")
     p.add_argument("--check-bench", metavar="BENCH.json",
@@ -57,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         from vllm.afd.planner.calibrate import calibrate
 
-        path = calibrate(args.out)
+        path = calibrate(args.out, args.calibrate_model)
         print(path.read_text())
         print(f"wrote {path}")
         return 0

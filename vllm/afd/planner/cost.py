@@ -5,7 +5,10 @@
 Every GEMM-bearing part costs max(bytes read / memory bandwidth, FLOPs / FLOP/s at
 its row count) plus the device's fixed per-layer cost (0 on GPU profiles: CUDA
 graphs; measured on a CPU). Decode re-reads each weight once per micro-batch,
-which is why splitting a batch costs weight traffic.
+which is why splitting a batch costs weight traffic. A cpu profile's [engine]
+table, measured for one model in plain vLLM (engine_probe.py), replaces the
+rooflines of that model's attention layer, its FFN layer on one device and its
+once-per-step work.
 
 - attention (per attention device, b tokens, context s): projection weights +
   b s KV bytes, 2 b params + scores/sums over s;
@@ -28,7 +31,7 @@ from vllm.afd.planner.model import ModelShape
 @dataclass(frozen=True)
 class Part:
     seconds: float
-    bound: str  # "memory" or "compute" (which side of the roofline), or "link"
+    bound: str  # "memory" or "compute" (which side of the roofline), "link", or "measured"
 
 
 def roofline(hw: Hardware, dtype: str, bytes_read: float, flops: float, rows: float,
@@ -44,6 +47,9 @@ def attention_layer(model: ModelShape, hw: Hardware, tokens: float, context: int
     """One attention layer for one micro-batch of `tokens` decode tokens."""
     if tokens <= 0:
         return Part(0.0, "memory")
+    measured = hw.engine_for(model.name)
+    if measured is not None:
+        return Part(measured.at("attention_layer", tokens), "measured")
     params = model.attention_params()
     bytes_read = params * model.weight_bytes + tokens * context * model.kv_bytes_per_token()
     flops = 2.0 * tokens * params + tokens * model.attention_core_flops_per_token(context)
@@ -65,6 +71,9 @@ def ffn_layer(model: ModelShape, hw: Hardware, tokens: float, ffn_devices: int,
     ffn_devices (expert parallel for routed experts, tensor parallel for the rest)."""
     if tokens <= 0:
         return Part(0.0, "memory")
+    measured = hw.engine_for(model.name)
+    if measured is not None and ffn_devices == 1 and not dense:
+        return Part(measured.at("ffn_layer", tokens), "measured")
     wb = model.weight_bytes
     if dense:
         params = model.dense_mlp_params() / ffn_devices
@@ -92,7 +101,12 @@ def transfer(bytes_per_token: float, tokens_per_nic: float, link: Link) -> tuple
 
 def lm_head(model: ModelShape, hw: Hardware, tokens: float) -> Part:
     """The attention side's once-per-step work outside the layers: the LM head over
-    the batch (the embedding lookup reads one row per token, negligible)."""
+    the batch (the embedding lookup reads one row per token, negligible); where the
+    profile measured this model in vLLM, all of that step's work outside the layers
+    (LM head, sampler, scheduler)."""
+    measured = hw.engine_for(model.name)
+    if measured is not None:
+        return Part(measured.at("step_other", tokens), "measured")
     params = model.vocab * model.hidden
     return roofline(hw, model.weight_dtype, params * model.weight_bytes, 2.0 * tokens * params,
                     tokens)

@@ -7,8 +7,10 @@ comment) or the `cpu` profile `vllm-afd plan --calibrate` writes.
 
 A CPU profile also holds what a GPU's peak hides: GEMM FLOP/s per activation row
 count (small-row GEMMs run far below peak on a CPU), the fixed per-layer cost of
-eager operator dispatch, and a [colocated] section measured with all the cores in
-one engine (the plain-vLLM baseline).
+eager operator dispatch, optionally an [engine] table of one model's layers as
+plain vLLM runs them (what eager dispatch adds around the kernels, which no
+roofline sees), and a [colocated] section measured with all the cores in one
+engine (the plain-vLLM baseline).
 """
 
 from __future__ import annotations
@@ -32,6 +34,28 @@ class Link:
 
 
 @dataclass(frozen=True)
+class EngineTable:
+    """One model's decode steps measured in plain vLLM on this device (cpu
+    profiles, engine_probe.py): seconds per decode token count of one layer's
+    attention half, one mlp, and the step's work outside the layers."""
+    model: str  # the model directory's name
+    tokens: tuple[float, ...]
+    attention_layer: tuple[float, ...]
+    ffn_layer: tuple[float, ...]
+    step_other: tuple[float, ...]
+
+    def at(self, part: str, tokens: float) -> float:
+        """Linear in the token count between the measured ones, flat below the
+        first, extrapolated from the last two above the last."""
+        xs, ys = self.tokens, getattr(self, part)
+        if tokens <= xs[0] or len(xs) == 1:
+            return ys[0]
+        i = min(max(bisect.bisect_right(xs, tokens), 1), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(y0 + (y1 - y0) * (tokens - x0) / (x1 - x0), 0.0)
+
+
+@dataclass(frozen=True)
 class Hardware:
     name: str
     description: str
@@ -47,6 +71,7 @@ class Hardware:
     attention_layer_overhead: float = 0.0  # seconds per layer and micro-batch
     ffn_layer_overhead: float = 0.0
     colocated: Hardware | None = None
+    engine: EngineTable | None = None  # measured layers of one model (cpu profiles)
     cpu_model: str = ""
     cpu_isa: str = ""  # calibrate.cpu_isa() of the host a cpu profile was measured on
     measured: str = ""
@@ -84,6 +109,10 @@ class Hardware:
         r0, r1, f0, f1 = rows_list[i - 1], rows_list[i], rates[i - 1], rates[i]
         return f0 + (f1 - f0) * (rows - r0) / (r1 - r0)
 
+    def engine_for(self, model_name: str) -> EngineTable | None:
+        """The measured engine table when it is this model's."""
+        return self.engine if self.engine and self.engine.model == model_name else None
+
     def link(self, kind: str) -> Link:
         if kind not in self.links:
             raise ValueError(f"{self.name} has no {kind} link (it has {', '.join(self.links)})")
@@ -99,6 +128,11 @@ def _parse(data: dict, name: str, path: str) -> Hardware:
     links = {k: Link(float(data[k]["bandwidth"]), float(data[k]["latency"]))
              for k in LINK_KINDS if k in data}
     overhead = data.get("overhead", {})
+    engine = None
+    if "engine" in data:
+        e = data["engine"]
+        engine = EngineTable(str(e["model"]), *(tuple(float(x) for x in e[k]) for k in (
+            "tokens", "attention_layer", "ffn_layer", "step_other")))
     colocated = None
     if "colocated" in data:
         sub = {**{k: v for k, v in data.items() if k in LINK_KINDS}, **data["colocated"]}
@@ -111,7 +145,7 @@ def _parse(data: dict, name: str, path: str) -> Hardware:
         flops_by_rows=tables,
         attention_layer_overhead=float(overhead.get("attention_layer", 0.0)),
         ffn_layer_overhead=float(overhead.get("ffn_layer", 0.0)),
-        colocated=colocated, cpu_model=str(data.get("cpu_model", "")),
+        colocated=colocated, engine=engine, cpu_model=str(data.get("cpu_model", "")),
         cpu_isa=str(data.get("cpu_isa", "")),
         measured=str(data.get("measured", "")), path=path)
 

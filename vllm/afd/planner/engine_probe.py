@@ -1,0 +1,124 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""Per-layer times of a model's decode steps in plain vLLM on this CPU.
+
+A CPU roofline cannot see what an eager engine does around its kernels:
+rotary, the KV-cache write, the paged-attention call and its metadata, the MoE
+layer's routing and Python, the sampler and the scheduler (on a GPU, CUDA graphs
+hide most of it and the roofline is the better guide). `vllm-afd plan
+--calibrate --calibrate-model PATH` therefore also runs the model itself: an
+in-process engine on the profile's cores decodes B requests at a few batch
+sizes, forward hooks time each decoder layer and its mlp, and the profile's
+[engine] table holds, per decode token count, the seconds of one layer's
+attention half (the decoder layer minus its mlp), of one mlp, and of the step's
+work outside the layers (embedding, final norm, LM head, sampler, scheduler).
+
+The planner uses the table for that model only (cost.py); every other model
+still gets the roofline. It runs in a process of its own (its cores, its
+threads, its environment):
+
+    taskset -c 0 python -m vllm.afd.planner.engine_probe --model PATH --batches 1,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+DECODE_STEPS = 16
+
+
+def probe(model: str, batches: list[int], steps: int) -> dict:
+    """In this process: {"tokens", "attention_layer", "ffn_layer", "step_other"}
+    (seconds, medians over the decode steps at each batch size)."""
+    import torch
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, enforce_eager=True, max_model_len=512,
+              max_num_seqs=max(batches), seed=0)
+    engine = llm.llm_engine
+    try:
+        runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        layers = runner.model.model.layers
+    except AttributeError as e:
+        raise RuntimeError("the engine probe needs vLLM's in-process engine "
+                           "(VLLM_ENABLE_V1_MULTIPROCESSING=0) and a decoder with "
+                           f"model.layers[i].mlp: {e}") from e
+    events: list[tuple[str, float]] = []
+
+    def stamp(tag: str):
+        return lambda *_: events.append((tag, time.perf_counter()))
+
+    for layer in layers:
+        layer.register_forward_pre_hook(stamp("layer-in"))
+        layer.register_forward_hook(stamp("layer-out"))
+        layer.mlp.register_forward_pre_hook(stamp("mlp-in"))
+        layer.mlp.register_forward_hook(stamp("mlp-out"))
+
+    def spans(kind: str) -> float:
+        starts = [t for tag, t in events if tag == f"{kind}-in"]
+        ends = [t for tag, t in events if tag == f"{kind}-out"]
+        return sum(e - s for s, e in zip(starts, ends))
+
+    table = {"tokens": [], "attention_layer": [], "ffn_layer": [], "step_other": []}
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    with torch.inference_mode():
+        for b in batches:
+            for r in range(b):
+                engine.add_request(f"probe-{b}-{r}", f"Request {r} asks about the weather", params)
+            rows = []
+            while engine.has_unfinished_requests():
+                events.clear()
+                t0 = time.perf_counter()
+                engine.step()
+                step = time.perf_counter() - t0
+                rows.append((step, spans("layer"), spans("mlp")))
+            decode = rows[1:-1] or rows  # not the prefill, not the step that finishes
+            n = len(layers)
+            table["tokens"].append(b)
+            table["attention_layer"].append(statistics.median(r[1] - r[2] for r in decode) / n)
+            table["ffn_layer"].append(statistics.median(r[2] for r in decode) / n)
+            table["step_other"].append(statistics.median(r[0] - r[1] for r in decode))
+    return table
+
+
+def run(model: str, cores: list[int], batches: list[int] = list(BATCHES),
+        steps: int = DECODE_STEPS, timeout: float = 900.0) -> dict:
+    """probe() in a fresh process on `cores`, one torch thread per core."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)),
+               OMP_NUM_THREADS=str(len(cores)))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    cmd = [sys.executable, "-m", "vllm.afd.planner.engine_probe", "--model", str(model),
+           "--batches", ",".join(map(str, batches)), "--steps", str(steps)]
+    # The cores from the start (before exec): `-m` imports the vllm package, and
+    # torch with it, before main() runs; an OpenMP team started on other cores
+    # and then squeezed onto these ran 10x slower.
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=lambda: os.sched_setaffinity(0, set(cores)))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the engine probe of {model} failed (exit {proc.returncode}):\n"
+                           f"{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--steps", type=int, default=DECODE_STEPS)
+    args = ap.parse_args(argv)
+    table = probe(args.model, [int(b) for b in args.batches.split(",")], args.steps)
+    print(json.dumps(table), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
