@@ -331,12 +331,11 @@ def test_profile_and_bench_of_one_model_name_but_another_isa_do_not_compare():
 
 
 # The calibrated profile against the committed `make bench`. Not met (2026-12-03
-# afternoon, an AVX-512 AMD EPYC VM where the FFN bounds the step): with vLLM's own
-# kernels in the calibration (oneDNN for dense GEMMs, cpu_fused_moe for the experts)
-# the ratio is within 15 % in 7 of 16 cells, the FFN in 3, the link in 2, attention
-# in none (-21 to -64 %: vLLM's per-layer attention work beyond the projections, 0.5-0.7
-# ms a layer here, is not in any kernel the calibration times); the AVX2 host of
-# that morning missed the other way (README "Planning a deployment" has the tables).
+# evening, an AVX-512 AMD EPYC VM where the FFN bounds the step, the profile with the
+# bench model's layers measured in plain vLLM): within 15 % in 39 of 64 cells (ratio
+# 13 of 16, attention 12, FFN 9, link 6); the misses are mostly B = 8, where the AFD
+# FFN's mlp at 4-8 tokens is 40-60 % slower than the same layers in the plain engine,
+# and the link's tenths of a millisecond (README "Planning a deployment" has the table).
 # strict: once a re-calibration meets 15 % everywhere for a part, this xfail fails and
 # must go.
 @pytest.fixture(scope="module")
