@@ -51,7 +51,7 @@ bench: $(WHEEL_STAMP)
 	$(PIP) install -q $(BENCH_REQUIREMENTS)
 	$(PY) benchmarks/afd_vs_colocated.py $(ARGS)
 
-# `vllm-afd plan`'s cpu profile re-measured on this host (about 2 min: the kernels,
+# `vllm-afd plan`'s cpu profile re-measured on this host (about 2.5 min: the kernels,
 # the link, and the bench model's layers in plain vLLM), then its prediction against
 # the last `make bench` (prints the table; misses beyond 15 % are reported, not
 # fatal), then the planner's tests (same host, strict xfail).

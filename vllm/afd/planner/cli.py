@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure this host's cpu profile (about 30 s) and write it to --out")
     p.add_argument("--calibrate-model", metavar="DIR",
                    help="with --calibrate: also run this checkpoint in plain vLLM on the "
-                        "profile's cores (about 1 min more) and record its layers' measured "
+                        "profile's cores (about 1.5 min more) and record its layers' measured "
                         "times, which the plan then uses for that model instead of the "
                         "roofline (eager vLLM's work around the kernels, which no roofline "
                         "sees)")
