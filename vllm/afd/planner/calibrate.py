@@ -436,7 +436,6 @@ def measure(model: str | None = None) -> dict:
     if model is not None:
         from vllm.afd.planner import engine_probe
 
-        os.sched_setaffinity(0, set(cores))
         for name, core_set in (("device", cores[:1]), ("colocated", cores)):
             result[name]["engine"] = {"model": Path(model).name,
                                       **engine_probe.run(model, core_set)}

@@ -9,10 +9,10 @@ hide most of it and the roofline is the better guide). `vllm-afd plan
 --calibrate --calibrate-model PATH` therefore also runs the model itself: an
 in-process engine on the profile's cores decodes B distinct requests at a few
 batch sizes (each twice, the faster pass kept), forward hooks time each decoder
-layer and its mlp, and the profile's
-[engine] table holds, per decode token count, the seconds of one layer's
-attention half (the decoder layer minus its mlp), of one mlp, and of the step's
-work outside the layers (embedding, final norm, LM head, sampler, scheduler).
+layer and its mlp, and the profile's [engine] table holds, per decode token
+count, the seconds of one layer's attention half (the decoder layer minus its
+mlp), of one mlp, and of the step's work outside the layers (embedding, final
+norm, LM head, sampler, scheduler).
 
 The planner uses the table for that model only (cost.py); every other model
 still gets the roofline. It runs in a process of its own (its cores, its
@@ -50,7 +50,8 @@ def prompt_ids(request: int, vocab: int, length: int = PROMPT_TOKENS) -> list[in
 
 def probe(model: str, batches: list[int], steps: int) -> dict:
     """In this process: {"tokens", "attention_layer", "ffn_layer", "step_other"}
-    (seconds, medians over the decode steps at each batch size)."""
+    (seconds: medians over the decode steps at each batch size, of the faster
+    of PASSES passes)."""
     import torch
     from vllm import LLM, SamplingParams
 
@@ -81,7 +82,7 @@ def probe(model: str, batches: list[int], steps: int) -> dict:
         return sum(e - s for s, e in zip(starts, ends))
 
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    vocab = llm.llm_engine.model_config.get_vocab_size()
+    vocab = engine.model_config.get_vocab_size()
     n = len(layers)
     best: dict[int, tuple[float, float, float]] = {}
     with torch.inference_mode():
