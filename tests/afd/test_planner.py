@@ -278,16 +278,19 @@ def test_a_measured_engine_table_prices_its_model_and_only_it():
 
 def test_the_engine_probe_times_a_models_layers_in_plain_vllm(models_dir):
     """engine_probe.run: a real in-process vLLM engine on one core decodes at
-    each batch size; the table has a positive time per layer part and step for
-    each, and more tokens cost the mlp more (the tiny model's 8 experts, top-2:
-    1 token touches 2, 16 tokens nearly all)."""
+    each batch size; its hooks time every decoder layer of the checkpoint, and
+    the table has a positive time per layer part and step for each size. (Not
+    that more tokens cost more: the tiny model's mlp is dispatch-bound, and its
+    1- and 16-token times came out in either order, 0.36 / 0.34 ms, once.)"""
     from vllm.afd.planner import engine_probe
 
-    table = engine_probe.run(str(models_dir / "tiny-qwen3-moe"), [0], [1, 16], steps=6)
+    model = models_dir / "tiny-qwen3-moe"
+    table = engine_probe.run(str(model), [0], [1, 16], steps=6)
     assert table["tokens"] == [1, 16]
+    assert table["layers"] == json.loads((model / "config.json").read_text())[
+        "num_hidden_layers"]
     for part in ("attention_layer", "ffn_layer", "step_other"):
         assert len(table[part]) == 2 and all(0 < t < 1.0 for t in table[part]), (part, table)
-    assert table["ffn_layer"][1] > table["ffn_layer"][0], table
 
 
 CALIBRATE_MOE = """

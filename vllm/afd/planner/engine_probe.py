@@ -49,7 +49,8 @@ def prompt_ids(request: int, vocab: int, length: int = PROMPT_TOKENS) -> list[in
 
 
 def probe(model: str, batches: list[int], steps: int) -> dict:
-    """In this process: {"tokens", "attention_layer", "ffn_layer", "step_other"}
+    """In this process: {"tokens", "layers" (the decoder layers timed),
+    "attention_layer", "ffn_layer", "step_other"}
     (seconds: medians over the decode steps at each batch size, of the faster
     of PASSES passes)."""
     import torch
@@ -106,7 +107,7 @@ def probe(model: str, batches: list[int], steps: int) -> dict:
                            statistics.median(r[0] - r[1] for r in decode))
                 if b not in best or sum(medians) < sum(best[b]):
                     best[b] = medians
-    return {"tokens": list(batches),
+    return {"tokens": list(batches), "layers": n,
             **{part: [best[b][i] for b in batches]
                for i, part in enumerate(("attention_layer", "ffn_layer", "step_other"))}}
 
