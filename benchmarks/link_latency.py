@@ -104,17 +104,22 @@ def layer_call(attn, layer: int, h, out, prepared: bool) -> None:
     attn.recv_output(layer, 0, out=out)
 
 
-def copy_floor_us(nbytes: int, calls: int, echo_spin_s: float) -> float | None:
-    """Median of `calls` round trips of the copy floor (csrc/cpu/copy_floor.cpp):
+def copy_floor_us(nbytes: int, calls: int, echo_spin_s: float
+                  ) -> tuple[float, float] | None:
+    """Medians of `calls` round trips of the copy floor (csrc/cpu/copy_floor.cpp):
     the connector's three copies and two hand-overs between threads on the two
-    cores, nothing else. First waits out the echo FFN's spin, so that its thread
-    has the FFN core alone. None where it cannot run (one core, no pinning)."""
+    cores, nothing else; the copies into slots with cached stores, then with
+    streamed (non-temporal) ones, the two ways the connector's copier chooses
+    between (csrc/cpu/slot_copy.h). First waits out the echo FFN's spin, so that
+    its thread has the FFN core alone. None where it cannot run (one core, no
+    pinning)."""
     from vllm.afd import _C
 
     time.sleep(echo_spin_s + 0.002)
     try:
-        return statistics.median(_C.copy_floor(nbytes, calls + calls // 10,
-                                               ATTENTION_CORE, FFN_CORE)) / 1e3
+        return tuple(statistics.median(_C.copy_floor(nbytes, calls + calls // 10,
+                                                     ATTENTION_CORE, FFN_CORE, streamed)) / 1e3
+                     for streamed in (False, True))
     except (RuntimeError, ValueError):
         return None
 
@@ -148,7 +153,8 @@ def measure(connector: str, extra: dict, iters: int, idle_s: float) -> dict:
             for tokens in TOKENS:
                 h = torch.randn(tokens, HIDDEN).to(torch.bfloat16)
                 out = torch.empty_like(h)
-                times, chunks = [], []  # chunks: (floor us, first index of its connector chunk)
+                # chunks: ((cached, streamed) floor us, first index of its connector chunk)
+                times, chunks = [], []
                 sample_floor = connector == "shm" and prepared and (os.cpu_count() or 1) > 1
                 i = 0
                 # Whole steps until `iters` calls are timed: not the warm-up, not
@@ -185,6 +191,9 @@ def measure(connector: str, extra: dict, iters: int, idle_s: float) -> dict:
         time.sleep(idle_s)
         attn.send_step(StepHeader(step_id=step + 1, num_tokens=[0]))
         idle = parent.recv()
+        link = getattr(attn, "_links", {}).get(0)
+        if hasattr(link, "copy_stats"):  # shm: how the attention side's payloads were copied
+            results["attention_copies"] = link.copy_stats
     finally:
         attn.close()
         proc.join(30)
@@ -194,19 +203,24 @@ def measure(connector: str, extra: dict, iters: int, idle_s: float) -> dict:
     return {**results, "idle": idle}
 
 
-def floor_columns(times: list[float], chunks: list[tuple[float, int]]) -> dict:
-    """The copy floor's median over the samples, and the connector's time over
-    it: the median, over the chunks, of (the chunk's median round trip - the
-    floor sampled right before it), so a vCPU move between chunks cancels."""
+def floor_columns(times: list[float],
+                  chunks: list[tuple[tuple[float, float], int]]) -> dict:
+    """The copy floor's median over the samples (the better of its cached and
+    streamed copies in each sample: the floor of a connector that chooses
+    between them), and the connector's time over it: the median, over the
+    chunks, of (the chunk's median round trip - the floor sampled right before
+    it), so a vCPU move between chunks cancels."""
     if not chunks:
         return {}
     over = []
-    for k, (floor, start) in enumerate(chunks):
+    for k, (floors, start) in enumerate(chunks):
         end = chunks[k + 1][1] if k + 1 < len(chunks) else len(times)
         if end > start:
-            over.append(statistics.median(times[start:end]) * 1e6 - floor)
-    return {"floor_us": statistics.median(f for f, _ in chunks),
-            "floor_samples_us": [round(f, 2) for f, _ in chunks],
+            over.append(statistics.median(times[start:end]) * 1e6 - min(floors))
+    return {"floor_us": statistics.median(min(f) for f, _ in chunks),
+            "floor_cached_us": statistics.median(f[0] for f, _ in chunks),
+            "floor_streamed_us": statistics.median(f[1] for f, _ in chunks),
+            "floor_samples_us": [[round(x, 2) for x in f] for f, _ in chunks],
             "over_floor_us": statistics.median(over) if over else None}
 
 
@@ -241,7 +255,9 @@ def main(argv=None) -> int:
               f"{res['idle']['idle_wall_s']:.1f} s")
         for nbytes, r in res["round_trip"].items():
             g = res["round_trip_general"][nbytes]
-            floor = (f"   copy floor {r['floor_us']:7.1f} (over it {r['over_floor_us']:6.1f})"
+            floor = (f"   copy floor {r['floor_us']:7.1f} (cached {r['floor_cached_us']:.1f}, "
+                     f"streamed {r['floor_streamed_us']:.1f}; over it "
+                     f"{r['over_floor_us']:6.1f})"
                      if r.get("over_floor_us") is not None else "")
             print(f"  {int(nbytes) >> 10:6d} KiB  median {r['median_us']:8.1f}  "
                   f"p10 {r['p10_us']:8.1f}  p99 {r['p99_us']:8.1f}   send_hidden + "

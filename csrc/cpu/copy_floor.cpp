@@ -16,8 +16,10 @@
 // threads pinned to the two cores, with nothing else: no Python, no headers,
 // no checks, no compute. No connector can be faster on these cores.
 //
-// copy_floor(nbytes, iters, core_a, core_b) -> list of round trips in ns
-// (the first tenth of iters are warm-up and not returned).
+// copy_floor(nbytes, iters, core_a, core_b, streamed=False) -> list of round
+// trips in ns (the first tenth of iters are warm-up and not returned).
+// streamed: the two copies into slots use non-temporal stores, as the lane's
+// copier may (slot_copy.h); the copy out to the caller's tensor stays cached.
 #include <Python.h>
 #include <pthread.h>
 #include <sched.h>
@@ -29,6 +31,7 @@
 #include <thread>
 #include <vector>
 
+#include "slot_copy.h"
 #include "spin.h"
 
 namespace {
@@ -78,7 +81,14 @@ struct Buffers {
 };
 
 // 0 on success, else an error message (the GIL is not held).
-const char* run_floor(size_t nbytes, int iters, int core_a, int core_b,
+void into_slot(uint8_t* slot, const uint8_t* src, size_t nbytes, bool streamed) {
+  if (streamed)
+    afd_lane::stream_copy(slot, src, nbytes);
+  else
+    memcpy(slot, src, nbytes);
+}
+
+const char* run_floor(size_t nbytes, int iters, int core_a, int core_b, bool streamed,
                       std::vector<int64_t>& out) {
   Buffers buffers;
   uint8_t* src = buffers.make(nbytes);   // the attention side's hidden states
@@ -100,7 +110,7 @@ const char* run_floor(size_t nbytes, int iters, int core_a, int core_b,
         failed_b.store(true);
         return;
       }
-      memcpy(back, fwd, nbytes);  // the FFN's output, read from the slot's view
+      into_slot(back, fwd, nbytes, streamed);  // the FFN's output, read from the slot's view
       to_attention.value.store(static_cast<uint32_t>(i), std::memory_order_release);
     }
   });
@@ -113,7 +123,7 @@ const char* run_floor(size_t nbytes, int iters, int core_a, int core_b,
   int warmup = iters / 10;
   for (int i = 1; error == nullptr && i <= iters; ++i) {
     int64_t t0 = afd_now_ns();
-    memcpy(fwd, src, nbytes);
+    into_slot(fwd, src, nbytes, streamed);
     to_ffn.value.store(static_cast<uint32_t>(i), std::memory_order_release);
     if (!spin_until(to_attention, static_cast<uint32_t>(i))) {
       error = "copy_floor: the other core did not answer within 2 s";
@@ -135,8 +145,9 @@ namespace afd_lane {
 
 PyObject* copy_floor(PyObject*, PyObject* args) {
   unsigned long long nbytes;
-  int iters, core_a, core_b;
-  if (!PyArg_ParseTuple(args, "Kiii", &nbytes, &iters, &core_a, &core_b)) return nullptr;
+  int iters, core_a, core_b, streamed = 0;
+  if (!PyArg_ParseTuple(args, "Kiii|p", &nbytes, &iters, &core_a, &core_b, &streamed))
+    return nullptr;
   if (nbytes == 0 || iters <= 0 || core_a < 0 || core_b < 0 || core_a == core_b) {
     PyErr_SetString(PyExc_ValueError,
                     "copy_floor: nbytes and iters > 0, two different cores >= 0");
@@ -144,7 +155,7 @@ PyObject* copy_floor(PyObject*, PyObject* args) {
   }
   std::vector<int64_t> times;
   const char* error;
-  Py_BEGIN_ALLOW_THREADS error = run_floor(nbytes, iters, core_a, core_b, times);
+  Py_BEGIN_ALLOW_THREADS error = run_floor(nbytes, iters, core_a, core_b, streamed != 0, times);
   Py_END_ALLOW_THREADS if (error != nullptr) {
     PyErr_SetString(PyExc_RuntimeError, error);
     return nullptr;

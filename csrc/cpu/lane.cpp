@@ -52,14 +52,21 @@ void free_lane(PyObject* capsule) {
   free(PyCapsule_GetPointer(capsule, kCapsule));
 }
 
-// lane_new(tx_ring, rx_ring, fd, entries, entry_bytes) -> lane
+// lane_new(tx_ring, rx_ring, fd, entries, entry_bytes, copy_policy=0) -> lane
+// copy_policy: how payloads go into this side's slots (slot_copy.h): 0 auto
+// (measured), 1 cached stores, 2 streamed stores.
 PyObject* lane_new(PyObject*, PyObject* args) {
   unsigned long long tx, rx;
-  int fd;
+  int fd, policy = kPolicyAuto;
   unsigned int entries, entry_bytes;
-  if (!PyArg_ParseTuple(args, "KKiII", &tx, &rx, &fd, &entries, &entry_bytes)) return nullptr;
+  if (!PyArg_ParseTuple(args, "KKiII|i", &tx, &rx, &fd, &entries, &entry_bytes, &policy))
+    return nullptr;
   if (entries == 0 || entry_bytes <= kLengthBytes) {
     PyErr_SetString(PyExc_ValueError, "lane_new: empty ring");
+    return nullptr;
+  }
+  if (policy < kPolicyAuto || policy > kPolicyStreamed) {
+    PyErr_SetString(PyExc_ValueError, "lane_new: copy_policy must be 0, 1 or 2");
     return nullptr;
   }
   void* memory = malloc(sizeof(Lane));
@@ -70,6 +77,7 @@ PyObject* lane_new(PyObject*, PyObject* args) {
   lane->fd = fd;
   lane->entries = entries;
   lane->entry_bytes = entry_bytes;
+  lane->copier.policy = policy;
   PyObject* capsule = PyCapsule_New(lane, kCapsule, free_lane);
   if (capsule == nullptr) free(memory);
   return capsule;
@@ -124,7 +132,8 @@ PyObject* lane_send_frame(PyObject*, PyObject* args) {
   int status = 1;
   if (lane->has_space()) {
     if (nbytes && src != dst)
-      memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes);
+      lane->copy_payload(reinterpret_cast<uint8_t*>(dst), reinterpret_cast<const uint8_t*>(src),
+                         nbytes);
     status = lane->post(header, t.len);
   }
   return PyLong_FromLong(status);
@@ -167,7 +176,8 @@ PyObject* lane_take(PyObject*, PyObject* args) {
 // lane_recv_frame(lane, spin_ns, timeout_ms, template, step_at, layer_at,
 //                 ubatch_at, step, layer, ubatch, src, dst, nbytes)
 //   -> 1: the expected frame arrived and was consumed; its payload (nbytes at
-//         src, the slot) was copied to dst unless dst is 0
+//         src, the slot) was copied to dst, or read in place when dst is 0
+//         (nothing when src is 0 too)
 //      3: a message arrived that is not that frame: left in the ring
 //      0: timed out; -1: closed
 PyObject* lane_recv_frame(PyObject*, PyObject* args) {
@@ -196,8 +206,9 @@ PyObject* lane_recv_frame(PyObject*, PyObject* args) {
     const uint8_t* header = lane->next_header(&n);
     if (header != nullptr && static_cast<Py_ssize_t>(n) == t.len &&
         memcmp(header, expected, n) == 0) {
-      if (dst != 0 && nbytes)
-        memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), nbytes);
+      if (nbytes && src != 0)
+        lane->read_payload(reinterpret_cast<uint8_t*>(dst), reinterpret_cast<const uint8_t*>(src),
+                           nbytes);
       lane->consume();
     } else {
       status = 3;
@@ -216,6 +227,21 @@ PyObject* lane_counters(PyObject*, PyObject* args) {
                        static_cast<unsigned long>(lane->received),
                        static_cast<unsigned long long>(lane->preemptions),
                        static_cast<unsigned long long>(lane->backoffs));
+}
+
+// lane_copy_stats(lane) -> (cached bytes, streamed bytes, cost cached, cost
+// streamed (ns per byte, send and read; 0.0 before a sample), samples cached,
+// samples streamed): how this side's payloads went into its slots.
+PyObject* lane_copy_stats(PyObject*, PyObject* args) {
+  PyObject* capsule;
+  if (!PyArg_ParseTuple(args, "O", &capsule)) return nullptr;
+  Lane* lane = lane_of(capsule);
+  if (lane == nullptr) return nullptr;
+  const SlotCopier& c = lane->copier;
+  return Py_BuildValue("(KKddkk)", static_cast<unsigned long long>(c.bytes[kCached]),
+                       static_cast<unsigned long long>(c.bytes[kStreamed]), c.cost[kCached],
+                       c.cost[kStreamed], static_cast<unsigned long>(c.samples[kCached]),
+                       static_cast<unsigned long>(c.samples[kStreamed]));
 }
 
 // lane_note_spin(lane, now_ns, preempted=True) -> whether the lane may spin
@@ -254,6 +280,7 @@ PyMethodDef afd_lane_methods[] = {
     {"lane_take", lane_take, METH_VARARGS, nullptr},
     {"lane_recv_frame", lane_recv_frame, METH_VARARGS, nullptr},
     {"lane_counters", lane_counters, METH_VARARGS, nullptr},
+    {"lane_copy_stats", lane_copy_stats, METH_VARARGS, nullptr},
     {"lane_note_spin", lane_note_spin, METH_VARARGS, nullptr},
     {"lane_may_spin", lane_may_spin, METH_VARARGS, nullptr},
     {"lane_prepare", lane_prepare, METH_VARARGS, nullptr},

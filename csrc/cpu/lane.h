@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "slot_copy.h"
 #include "spin.h"
 
 extern "C" int afd_doorbell_wait(const uint32_t* word, uint32_t* sleeping, uint32_t seen,
@@ -20,8 +21,9 @@ extern "C" int afd_doorbell_ring(uint32_t* word, const uint32_t* sleeping, uint3
 
 namespace afd_lane {
 
-// Ring layout (doorbell.py): head, sleeping, tail, then the entries.
-constexpr int64_t kHead = 0, kSleeping = 64, kTail = 128, kEntries = 256;
+// Ring layout (doorbell.py): head, sleeping, tail, the receiver's feedback on
+// payload reads (slot_copy.h), then the entries.
+constexpr int64_t kHead = 0, kSleeping = 64, kTail = 128, kFeedback = 192, kEntries = 256;
 constexpr int kLengthBytes = 4;
 // Preempted spins (doorbell.py, "Preempted spins"): kBackoffPreemptions of the
 // last kSpinHistory spins stop spinning for a backoff: kMinBackoffNs, doubled
@@ -44,6 +46,28 @@ struct Lane {
   int64_t spin_from = 0;  // no spinning before this (a backoff's end)
   int64_t backoff_ns = 0;  // the last backoff's length
   uint64_t preemptions = 0, backoffs = 0;
+  SlotCopier copier;  // how this side's payloads go into its slots
+
+  Feedback* feedback(uint8_t* ring) { return reinterpret_cast<Feedback*>(ring + kFeedback); }
+  // The payload of the entry posted next, into its slot (slot_copy.h).
+  void copy_payload(uint8_t* slot, const uint8_t* src, uint64_t n) {
+    copier.fold(feedback(tx));
+    copier.copy(slot, src, n, sent);
+  }
+  // The payload of the entry received next (not consumed yet): copied to dst,
+  // or its lines read once when dst is null; the time reported to the sender.
+  void read_payload(uint8_t* dst, const uint8_t* slot, uint64_t n) {
+    if (n < kMinAdaptiveBytes) {
+      if (dst != nullptr) memcpy(dst, slot, n);
+      return;
+    }
+    const int64_t t0 = afd_now_ns();
+    if (dst != nullptr)
+      memcpy(dst, slot, n);
+    else
+      touch_lines(slot, n);
+    report_read(feedback(rx), received, afd_now_ns() - t0, n);
+  }
 
   uint32_t* word(uint8_t* ring, int64_t offset) {
     return reinterpret_cast<uint32_t*>(ring + offset);

@@ -136,7 +136,8 @@ int post(Prepared* p, Frame& f, unsigned long layer, uint64_t src) {
   Lane* lane = p->lane;
   if (!lane->has_space()) return 1;
   if (f.nbytes && src != f.slot)
-    memcpy(reinterpret_cast<void*>(f.slot), reinterpret_cast<const void*>(src), f.nbytes);
+    lane->copy_payload(reinterpret_cast<uint8_t*>(f.slot), reinterpret_cast<const uint8_t*>(src),
+                       f.nbytes);
   put_layer(f.header, f.layer_at, layer);
   return lane->post(f.header, f.len);
 }
@@ -151,8 +152,9 @@ bool take(Prepared* p, Frame& f, unsigned long layer, uint64_t dst) {
   const uint8_t* header = lane->next_header(&n);
   if (header == nullptr || static_cast<Py_ssize_t>(n) != f.len || memcmp(header, f.header, n) != 0)
     return false;  // another message: left in the ring for the Python path
-  if (dst != 0 && f.nbytes)
-    memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(f.slot), f.nbytes);
+  if (f.nbytes)
+    lane->read_payload(reinterpret_cast<uint8_t*>(dst), reinterpret_cast<const uint8_t*>(f.slot),
+                       f.nbytes);
   lane->consume();
   return true;
 }

@@ -390,6 +390,11 @@ def test_the_copy_floor_makes_the_connectors_copies_between_two_cores():
     assert len(small) == 180 and all(t > 0 for t in small)  # the first tenth is warm-up
     large = _C.copy_floor(4 << 20, 20, 0, 1)
     assert sorted(large)[len(large) // 2] > 10 * sorted(small)[len(small) // 2]
+    # The same with the copies into slots streamed (slot_copy.h), as the lane may.
+    small = _C.copy_floor(4 << 10, 200, 0, 1, True)
+    large = _C.copy_floor(4 << 20, 20, 0, 1, True)
+    assert len(small) == 180 and all(t > 0 for t in small)
+    assert sorted(large)[len(large) // 2] > 10 * sorted(small)[len(small) // 2]
     for bad in ((0, 10, 0, 1), (4096, 0, 0, 1), (4096, 10, 1, 1), (4096, 10, -1, 0)):
         with pytest.raises(ValueError, match="copy_floor"):
             _C.copy_floor(*bad)

@@ -11,6 +11,8 @@ segment, after the payload slots:
     offset   0   u32 head      messages published (the sender's; the doorbell)
     offset  64   u32 sleeping  1 while the receiver sleeps on the socket
     offset 128   u32 tail      messages consumed (the receiver's)
+    offset 192   feedback      the receiver's time to read the last payload
+                               (csrc/cpu/slot_copy.h: the sender's copy policy)
     offset 256   RING_ENTRIES x ENTRY_BYTES: [u32 length][encoded header]
 
 A sender writes the entry (and the payload slot before it), then publishes
@@ -100,6 +102,9 @@ SPIN_HISTORY = 8
 WAIT_CHUNK_MS = 1000  # how often a sleeping waiter checks its deadline and logs
 FAST_WAIT_MS = 50  # a fast receive's wait (connectors/shm_fast.py), or the spin where longer
 RING_FULL = 1  # lane_send's answer when the peer has RING_ENTRIES messages unread
+# connector_extra_config stream_copies -> the lane's copy policy (csrc/cpu/slot_copy.h):
+# how a payload goes into its slot, cached or non-temporal (streamed) stores.
+COPY_POLICIES = {"auto": 0, "off": 1, "on": 2}
 
 
 def lane_module():
@@ -130,7 +135,7 @@ class RingLink(SocketLink):
     frame_overhead = 4  # the entry's length word
 
     def __init__(self, link: SocketLink, send_ring: Ring, recv_ring: Ring,
-                 spin_us: float) -> None:
+                 spin_us: float, stream_copies: str = "auto") -> None:
         super().__init__(link.sock, link.name, link.stall_timeout_s)
         # Both rings stay referenced as long as the lane (their addresses) is.
         self.send_ring, self.recv_ring = send_ring, recv_ring
@@ -143,9 +148,19 @@ class RingLink(SocketLink):
         self.C = lane_module()
         # Both rings start empty: head == tail == 0 in fresh memory.
         self.lane = self.C.lane_new(send_ring.base, recv_ring.base, self._fd, RING_ENTRIES,
-                                    ENTRY_BYTES)
+                                    ENTRY_BYTES, COPY_POLICIES[stream_copies])
         self._closed = False
         self._header_address = torch.frombuffer(self._header.obj, dtype=torch.uint8).data_ptr()
+
+    @property
+    def copy_stats(self) -> dict[str, float]:
+        """How this side's payloads went into their slots (slot_copy.h): bytes
+        each way, and the measured cost of each (ns per byte, copy and read)."""
+        cached, streamed, cost_cached, cost_streamed, n_cached, n_streamed = (
+            self.C.lane_copy_stats(self.lane))
+        return {"cached_bytes": cached, "streamed_bytes": streamed,
+                "cached_ns_per_byte": cost_cached, "streamed_ns_per_byte": cost_streamed,
+                "cached_samples": n_cached, "streamed_samples": n_streamed}
 
     @property
     def counters(self) -> dict[str, int]:

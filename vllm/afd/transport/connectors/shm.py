@@ -45,6 +45,11 @@ clean up); connector_extra_config {"notify": "tcp"} uses host:port over TCP
 instead, for containers that share /dev/shm but not a network namespace.
 connector_extra_config {"spin_us": N} sets how long a waiting side spins
 before it sleeps (../doorbell.py: CPU use, and 0 to never spin).
+connector_extra_config {"stream_copies": "auto" | "on" | "off"}: how a payload
+goes into its slot, with cached or non-temporal stores. "auto" (the default)
+measures both per direction, the sender's copy plus the receiver's read, and
+uses the cheaper (csrc/cpu/slot_copy.h: which wins depends on where the two
+cores sit, and on a VM that changes while it runs).
 
 Round trips (send_hidden, FFN echo, recv_output; two processes on two cores)
 by payload, with and without spinning: `make bench-link`, recorded in
@@ -165,7 +170,7 @@ class ShmSegment:
 class ShmConnector(FastFrames, TcpConnector):
     name = "shm"
     stages_through_host = True
-    extra_config_keys = frozenset({"notify", "spin_us"})
+    extra_config_keys = frozenset({"notify", "spin_us", "stream_copies"})
 
     def __init__(self, afd_config, **kwargs) -> None:
         super().__init__(afd_config, **kwargs)
@@ -188,6 +193,12 @@ class ShmConnector(FastFrames, TcpConnector):
                              f"{spin_us!r}; expected microseconds in 0-1000000 (0: never "
                              f"spin, sleep until woken)")
         self.spin_us = spin_us
+        stream_copies = self.afd_config.connector_extra_config.get("stream_copies", "auto")
+        if stream_copies not in doorbell.COPY_POLICIES:
+            raise ValueError(f"AFDConfig.connector_extra_config['stream_copies']: invalid "
+                             f"value {stream_copies!r}; valid choices: "
+                             f"{', '.join(map(repr, doorbell.COPY_POLICIES))}")
+        self.stream_copies = stream_copies
         self._init_fast()  # layer calls in one C call per message end (shm_fast.py)
 
     @property
@@ -261,7 +272,8 @@ class ShmConnector(FastFrames, TcpConnector):
         # From here on messages travel through the rings; the socket only
         # wakes a sleeping receiver and reports a peer's death.
         rings = (doorbell.Ring(writes.tensor[:ring]), doorbell.Ring(reads.tensor[:ring]))
-        self._links[peer] = doorbell.RingLink(self._links[peer], *rings, spin_us=self.spin_us)
+        self._links[peer] = doorbell.RingLink(self._links[peer], *rings, spin_us=self.spin_us,
+                                              stream_copies=self.stream_copies)
 
     def _on_ack(self, ack_transport: bytes) -> None:
         try:

@@ -368,8 +368,11 @@ class FastFrames:
             template = (self._template(self._recv_templates, rows)
                         if type(link) is doorbell.RingLink else None)
             addresses = self._addresses(peer) if template else None
+            # The slot's address, no copy: the lane reads its lines once and
+            # tells the sender how long that took (csrc/cpu/slot_copy.h).
             if addresses is not None and self._recv_frame(
-                    link, template, step.step_id, layer_id, ubatch_id, 0, 0):
+                    link, template, step.step_id, layer_id, ubatch_id,
+                    addresses[1][ubatch_id], 0):
                 shape = [rows, self.hidden_size]
                 self._awaiting[(peer, ubatch_id)] = (layer_id, shape)
                 self._routings[(peer, ubatch_id)] = None
