@@ -93,6 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "own here, and a wait spans the other side's compute of a layer, "
                          "several ms on this CPU; default: %(default)s, 0: the connector's "
                          "default)")
+    ap.add_argument("--stream-copies", choices=["auto", "on", "off"], default="auto",
+                    help="shm only: connector_extra_config stream_copies on both roles (how "
+                         "payloads go into the slots: cached or non-temporal stores, auto: "
+                         "measured; csrc/cpu/slot_copy.h; default: %(default)s)")
     ap.add_argument("--reprint", type=Path, metavar="JSON",
                     help="no run: print a saved result's tables again, with the columns this "
                          "code adds (written back into the JSON)")
@@ -154,6 +158,7 @@ def run_worker(args: argparse.Namespace, kind: str, name: str, cores: str,
            "--cores", cores, "--connector", args.connector,
            "--transfer-dtype", args.transfer_dtype,
            *(["--spin-us", str(args.spin_us)] if args.spin_us is not None else []),
+           "--stream-copies", args.stream_copies,
            *(extra or [])]
     print(f"[bench] {name}: cores {cores}, log {log_path}", flush=True)
     t0 = time.monotonic()
@@ -187,8 +192,12 @@ def transfer_dtype(args: argparse.Namespace) -> "str | dict[str, str]":
 def link_config(args: argparse.Namespace, port: int, num_ubatches: int) -> dict:
     config = {"connector": args.connector, "port": port, "num_ubatches": num_ubatches,
               "timeout_s": 120, "transfer_dtype": transfer_dtype(args)}
-    if args.spin_us is not None and args.connector == "shm":
-        config["connector_extra_config"] = {"spin_us": args.spin_us}
+    if args.connector == "shm":
+        extra = {} if args.spin_us is None else {"spin_us": args.spin_us}
+        if args.stream_copies != "auto":
+            extra["stream_copies"] = args.stream_copies
+        if extra:
+            config["connector_extra_config"] = extra
     return config
 
 
@@ -319,6 +328,8 @@ def summarize(args: argparse.Namespace, plain: dict, afd: dict[int, dict], floor
                      "repeats": args.repeats, "batch_sizes": args.batch_sizes,
                      "ubatches": args.ubatches, "connector": args.connector,
                      "transfer_dtype": transfer_dtype(args),
+                     "connector_extra_config": link_config(args, 0, 1).get(
+                         "connector_extra_config", {}),
                      "ffn_server_num_ubatches": FFN_UBATCHES, **ENGINE_ARGS},
         "plain": {"engine": plain["engine"], "batches": plain_by_b},
         "afd": configs, "overlap_bound": bound, "transfer_floor": floor,
