@@ -20,7 +20,7 @@ WHEEL_STAMP := build/.installed-$(FLAVOR)
 CUDA_WHEEL_STAMP := build/.cuda-wheel
 MODELINFO_STAMP := build/.modelinfo-$(FLAVOR)
 
-.PHONY: demo test cuda-wheel bench plan-check bench-link bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
+.PHONY: demo test cuda-wheel bench plan-check bench-link bench-layer-call bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
 
 demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
@@ -69,6 +69,13 @@ plan-check: $(WHEEL_STAMP)
 # Results in benchmarks/results/link_latency.json.
 bench-link: $(WHEEL_STAMP)
 	$(PY) benchmarks/link_latency.py $(ARGS)
+
+# A layer call's cost beyond the FFN's compute through the real AttentionLink and
+# FFNLoop (shm, two processes on two cores), with warm caches (as on GPU hosts) and
+# cold (each side streaming 32 MB per layer, as CPU compute does).
+# Results in benchmarks/results/layer_call.json.
+bench-layer-call: $(WHEEL_STAMP)
+	$(PY) benchmarks/layer_call.py $(ARGS)
 
 # Launch-to-ready time of `vllm-afd launch` (1A:1F shm, 2A:1F tcp) against starting
 # the same servers by hand, on a local Ray cluster. Results in benchmarks/results/launch_time.json.

@@ -1,0 +1,230 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""What a layer call costs beyond the FFN's compute, through the real link and loop.
+
+`make bench` measures the link inside vLLM on CPU engines, where each side's
+compute streams tens of MB of weights through the caches between two layer
+calls, so every line of Python on the link's path runs on cold caches (and
+the two cores share an L3: each side's streaming evicts the other's too). On
+a GPU deployment the host CPUs run the same Python, but the weights stream
+through the devices' memory: the host's caches stay warm. This benchmark
+separates the two regimes with everything else held fixed:
+
+  the attention end   vllm/afd/attention/link.py's AttentionLink (the model
+                      runner's object), core 0, steps of one micro-batch
+  the FFN end         vllm/afd/ffn/loop.py's FFNLoop with its batcher, in
+                      another process on core 1; its `mlp` is h * 1.0 (timed)
+  the link            shm, spin_us 50000 (each side has its core), B tokens of
+                      hidden 2048 bf16 (the bench model's width), 8 layers
+
+  warm   nothing between layer calls but the calls themselves
+  cold   before each layer call the attention side, and inside each mlp the
+         FFN side, stream --stream-mb MB through the caches (a torch add_ over
+         that much memory: what a CPU layer's weights do)
+
+Per layer call: the attention side's round trip (`exchange`) minus the mlp's
+own time, and split at the mlp: from entering `exchange` to the mlp's start
+(the attention side's send path, the wake-up, the FFN loop up to the mlp) and
+from the mlp's end to `exchange` returning (the FFN loop after the mlp, its
+reply, the wake-up, the copy out). Both processes read CLOCK_MONOTONIC
+(time.perf_counter), so the stamps compare. Median, p90 and mean over
+`--steps` steps (the first tenth is warm-up), without each step's first
+call: there the FFN reads the step header and prepares the step's calls,
+which a serving step overlaps with its embedding and first attention (its
+median is reported apart).
+
+    make bench-layer-call                        # warm and cold, B = 1 and 8
+    python benchmarks/layer_call.py --steps 400 --stream-mb 32 --tokens 1
+
+Results: benchmarks/results/layer_call.json (and a table on stdout).
+"""
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HIDDEN, LAYERS = 2048, 8
+ATTENTION_CORE, FFN_CORE = 0, 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pin(core: int) -> None:
+    if hasattr(os, "sched_setaffinity") and core < (os.cpu_count() or 1):
+        os.sched_setaffinity(0, {core})
+
+
+def link_config(port: int):
+    from vllm.afd.transport.config import LinkConfig
+
+    return LinkConfig(connector="shm", port=port, timeout_s=60, num_ubatches=1,
+                      connector_extra_config={"spin_us": 50000})
+
+
+def ffn_process(port: int, max_tokens: int, stream_mb: int, ready, commands) -> None:
+    """The FFN end: a real FFNLoop serving LAYERS layers; its mlp's start and
+    end times are sent back when asked."""
+    pin(FFN_CORE)
+    import torch
+
+    from vllm.afd.ffn.loop import FFNLoop
+    from vllm.afd.topology import FFNPlacement
+
+    torch.set_num_threads(1)
+    junk = torch.zeros(stream_mb << 18) if stream_mb else None  # float32: MB x 2^18
+    stamps: list[tuple[float, float]] = []
+
+    def mlp(layer, h, routing):
+        t0 = time.perf_counter()
+        if junk is not None:
+            junk.add_(1.0)
+        out = h * 1.0
+        stamps.append((t0, time.perf_counter()))
+        return out
+
+    loop = FFNLoop(link_config(port).replace(role="ffn"), layers=list(range(LAYERS)), compute=mlp,
+                   hidden_size=HIDDEN, dtype=torch.bfloat16, max_tokens=max_tokens,
+                   placement=FFNPlacement(rank=0, group=[0]), warmup_sizes=[])
+    loop.start()
+    ready.put(loop.ready.wait(30))
+    while commands.get() == "stamps":
+        s = loop.stats()
+        ready.put({"stamps": list(stamps), "ffn_other_s": (s.step_wall_s - s.compute_s
+                                                           - s.wait_s - s.send_s),
+                   "layer_calls": s.layer_calls,
+                   "spin": [s.spin_preemptions, s.spin_backoffs]})
+        stamps.clear()
+    loop.stop()
+
+
+def percentiles(values: list[float]) -> dict:
+    v = sorted(values)
+    return {"median_us": round(statistics.median(v), 2), "p90_us": round(v[len(v) * 9 // 10], 2),
+            "mean_us": round(statistics.mean(v), 2)}
+
+
+def run(tokens: int, stream_mb: int, steps: int) -> dict:
+    import torch
+
+    from vllm.afd.attention.link import AttentionLink, StepPlan
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    ready, commands = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=ffn_process, args=(port, tokens, stream_mb, ready, commands),
+                       daemon=True)
+    proc.start()
+    try:
+        if ready.get(timeout=120) is not True:
+            raise RuntimeError("the FFN loop did not become ready")
+        link = AttentionLink(link_config(port), hidden_size=HIDDEN, dtype=torch.bfloat16,
+                             max_tokens=tokens)
+        for layer in range(LAYERS):
+            link.add_layer(layer)
+        link.start()
+        junk = torch.zeros(stream_mb << 18) if stream_mb else None
+        h = torch.randn(tokens, HIDDEN).to(torch.bfloat16)
+        out = torch.empty_like(h)
+        calls: list[tuple[float, float]] = []
+        with torch.inference_mode():
+            for _ in range(steps):
+                link.begin_step(StepPlan(num_tokens=(tokens,)))
+                for layer in range(LAYERS):
+                    if junk is not None:
+                        junk.add_(1.0)
+                    t0 = time.perf_counter()
+                    link.exchange(layer, h, out)
+                    calls.append((t0, time.perf_counter()))
+                link.end_step()
+        torch.testing.assert_close(out, h, rtol=0, atol=0)
+        time.sleep(0.2)  # the FFN counts its last step after its last reply
+        commands.put("stamps")
+        ffn = ready.get(timeout=60)
+        stats = link.stats
+        link.close()
+    finally:
+        commands.put("stop")
+        proc.join(30)
+    mlp = ffn["stamps"]
+    if len(mlp) != len(calls):
+        raise RuntimeError(f"{len(calls)} layer calls, {len(mlp)} mlp calls")
+    skip = len(calls) // 10 // LAYERS * LAYERS  # whole steps of warm-up
+    every = list(zip(calls, mlp))[skip:]
+    # A step's first call waits while the FFN reads the step header and
+    # prepares the step's calls; in a serving step the attention side computes
+    # the embedding and the first layer's attention meanwhile. Apart.
+    pairs = [p for i, p in enumerate(every) if i % LAYERS]
+    firsts = [p for i, p in enumerate(every) if i % LAYERS == 0]
+    return {
+        "tokens": tokens, "stream_mb": stream_mb, "steps": steps, "layer_calls": len(pairs),
+        "beyond_compute": percentiles([((a1 - a0) - (m1 - m0)) * 1e6
+                                       for (a0, a1), (m0, m1) in pairs]),
+        "to_the_mlp": percentiles([(m0 - a0) * 1e6 for (a0, _), (m0, _) in pairs]),
+        "after_the_mlp": percentiles([(a1 - m1) * 1e6 for (_, a1), (_, m1) in pairs]),
+        "mlp": percentiles([(m1 - m0) * 1e6 for _, (m0, m1) in pairs]),
+        "first_call_of_a_step_beyond_compute": percentiles(
+            [((a1 - a0) - (m1 - m0)) * 1e6 for (a0, a1), (m0, m1) in firsts]),
+        "ffn_other_us_per_call": round(ffn["ffn_other_s"] / max(ffn["layer_calls"], 1) * 1e6, 2),
+        "spin_preemptions_backoffs": {"attention": [stats.spin_preemptions,
+                                                    stats.spin_backoffs],
+                                      "ffn": ffn["spin"]},
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="1,8", help="tokens per layer call (default %(default)s)")
+    ap.add_argument("--steps", type=int, default=300, help="steps per case (8 layer calls each)")
+    ap.add_argument("--stream-mb", type=int, default=32,
+                    help="cold: MB each side streams per layer call (default %(default)s)")
+    ap.add_argument("--out", type=Path,
+                    default=Path(__file__).parent / "results" / "layer_call.json")
+    args = ap.parse_args(argv)
+    if (os.cpu_count() or 1) < 2:
+        print("[bench-layer-call] needs two cores", file=sys.stderr)
+        return 2
+    pin(ATTENTION_CORE)
+    import torch
+
+    from vllm.afd.planner.calibrate import cpu_isa, cpu_model
+
+    torch.set_num_threads(1)
+    results = {"benchmark": "layer_call", "machine": {
+        "cpu_model": cpu_model(), "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0]},
+        "settings": {"hidden": HIDDEN, "layers": LAYERS, "dtype": "bfloat16",
+                     "connector": "shm", "spin_us": 50000, "steps": args.steps,
+                     "cores": {"attention": ATTENTION_CORE, "ffn": FFN_CORE}},
+        "cases": []}
+    print("per layer call, us (median / p90 / mean): beyond the mlp's compute, split at it")
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        for regime, mb in (("warm", 0), ("cold", args.stream_mb)):
+            case = {"regime": regime, **run(tokens, mb, args.steps)}
+            results["cases"].append(case)
+
+            def cell(key):
+                p = case[key]
+                return f"{p['median_us']:6.1f} / {p['p90_us']:6.1f} / {p['mean_us']:6.1f}"
+
+            print(f"  B={tokens:<3} {regime:4} ({mb:2d} MB)  beyond compute "
+                  f"{cell('beyond_compute')}   to the mlp {cell('to_the_mlp')}   after it {cell('after_the_mlp')}"
+                  f"   (mlp median {case['mlp']['median_us']:.0f}; a step's first call "
+                  f"{case['first_call_of_a_step_beyond_compute']['median_us']:.0f})", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    print(f"[bench-layer-call] wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

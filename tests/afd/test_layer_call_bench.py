@@ -1,0 +1,36 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""`make bench-layer-call` (benchmarks/layer_call.py) runs end to end on a short
+setting: both regimes, every layer call matched with its mlp call, the step's
+first calls apart. Its numbers are the benchmark's to report, not this test's."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the benchmark pins two cores")
+def test_the_layer_call_benchmark_matches_every_call_with_its_mlp(tmp_path):
+    out = tmp_path / "layer_call.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_call.py"),
+                           "--steps", "12", "--tokens", "1", "--stream-mb", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [c["regime"] for c in result["cases"]] == ["warm", "cold"]
+    for case in result["cases"]:
+        # 12 steps of 8 layer calls: a tenth of them, in whole steps (one), is
+        # warm-up; each step's first call is reported apart.
+        assert case["layer_calls"] == 11 * 7, case
+        for key in ("beyond_compute", "to_the_mlp", "after_the_mlp", "mlp",
+                    "first_call_of_a_step_beyond_compute"):
+            p = case[key]
+            assert p["median_us"] <= p["p90_us"], (key, p)
+        assert case["to_the_mlp"]["median_us"] > 0 and case["after_the_mlp"]["median_us"] > 0
+    assert "B=1   warm" in proc.stdout and "B=1   cold" in proc.stdout
