@@ -108,9 +108,11 @@ def test_prepared_calls_carry_every_layer_call_and_count_like_the_general_path()
 
 
 def test_what_prepared_calls_cannot_carry_is_not_sent():
-    """A tensor of another shape, dtype or layout, or an output already in
-    flight: prepared_send sends nothing (the lane's count stays), and the
-    general path then carries the call."""
+    """Hidden states of another shape, dtype or layout, or an output already
+    in flight: prepared_send sends nothing (the lane's count stays), and the
+    general path then carries the call. An `out` the copy cannot fill is
+    prepared_recv's to refuse (checked there, while the FFN computes, not on
+    the way to it): the general receive fills it."""
     ffn, attn = pair(spin_us=20_000)
     server = Background(reply_echo, ffn, 1)
     try:
@@ -120,13 +122,22 @@ def test_what_prepared_calls_cannot_carry_is_not_sent():
         good = torch.randn(4, HIDDEN)
         for h, out in ((torch.randn(3, HIDDEN), torch.empty(3, HIDDEN)),
                        (good.double(), torch.empty(4, HIDDEN, dtype=torch.float64)),
-                       (torch.randn(HIDDEN, 4).t(), torch.empty(4, HIDDEN)),
-                       (good, torch.empty(4, HIDDEN + 1)[:, :HIDDEN])):
+                       (torch.randn(HIDDEN, 4).t(), torch.empty(4, HIDDEN))):
             assert not attn.prepared_send(0, 0, h, out)
         assert lane.counters["sent"] == sent and attn.fast_calls == 0
         attn.send_hidden(0, 0, good)
         assert not attn.prepared_send(0, 0, good, torch.empty(4, HIDDEN))  # one in flight
         assert torch.equal(attn.recv_output(0, 0), good * 2)
+        attn.send_step(StepHeader(step_id=2, num_tokens=[4]))
+        out = torch.empty(4, HIDDEN + 1)[:, :HIDDEN]
+        assert attn.prepared_send(0, 0, good, out)
+        received = lane.counters["received"]
+        assert not attn.prepared_recv(0, 0, out)
+        assert lane.counters["received"] == received  # nothing taken: the general path's
+        # The general receive's own error, as the call got before `out` was checked here.
+        with pytest.raises(ValueError, match="output buffer of layer 0 ubatch 0 must be "
+                                             "contiguous"):
+            attn.recv_output(0, 0, out=out)
     finally:
         attn.close()
         server.join_result()
@@ -203,7 +214,8 @@ def test_an_answer_later_than_the_prepared_wait_arrives_through_the_general_path
 def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps():
     """A real FFN loop and attention link over shm: steps of one micro-batch
     go through prepared calls on both sides (all but a step's first receive
-    and last send on the FFN), give the FFN's results, and their time is
+    on the FFN, whose loop posts every reply, the step's last included, before
+    its bookkeeping), give the FFN's results, and their time is
     split into sending and waiting as the general path's is; each side counts
     its spins' preemptions and backoffs in its link statistics."""
     from test_connectors import free_port
@@ -245,8 +257,8 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps():
         assert lead.fast_calls == 2 * 3 * len(layers)
         [session] = list(loop._sessions.values())
         assert session.fast_calls == 2 * 3 * len(layers)
-        calls, C, _ = session._prepared[0]  # the last step's: a reply for all but the last
-        assert C.lane_call_times(calls)[2] == len(layers) - 1
+        calls, C, _ = session._prepared[0]  # the last step's: a reply for every call,
+        assert C.lane_call_times(calls)[2] == len(layers)  # the step's last one included
         stats = link.stats
         assert stats.layer_calls == 3 * len(layers) and stats.steps == 3
         assert 0 < stats.send_s < stats.wait_s

@@ -664,6 +664,55 @@ def test_a_failed_mlp_call_fails_only_the_peers_in_it():
         loop.stop()
 
 
+@pytest.mark.parametrize("connector", ["shm", "tcp"])
+def test_a_lone_peers_failed_mlp_call_is_reported_and_the_loop_serves_on(connector):
+    """A lone attention peer's calls run in the FFN loop's own fast path (the
+    mlp between the batcher's enter_alone and leave_alone, the reply before
+    any bookkeeping; prepared calls on shm): its outputs are exact and the
+    batcher's counts add up; an mlp call that raises reaches the attention
+    side with the layer, the token count and the error, ends that session
+    only, and leaves the batcher free: the rank reconnects and is served."""
+    from vllm.afd.transport.errors import AFDConnectionError
+    from vllm.afd.transport.wire import StepHeader
+
+    failed = []
+
+    def fail_once(layer, x):
+        if layer == 1 and x.shape[0] == 3 and not failed:
+            failed.append(layer)
+            return True
+        return False
+
+    mlp = _Mlp(fail_once)
+    loop, attention = _session_loop(connector, mlp, num_attention_ranks=1)
+    conns = []
+    try:
+        p0 = attention(0)
+        conns.append(p0)
+        _joint_step(loop, {0: p0}, 0, {0: 2})
+        assert (loop.batcher.calls, loop.batcher.batches, loop.batcher.largest) == (3, 3, 2)
+        assert loop.compute_hist.count == 3 and loop.stats().compute_s > 0
+        p0.send_step(StepHeader(step_id=1, num_tokens=[3]))
+        p0.send_hidden(0, 0, _hidden(0, 1, 0, 3))
+        assert torch.equal(p0.recv_output(0, 0), _hidden(0, 1, 0, 3) * 2)
+        p0.send_hidden(1, 0, _hidden(0, 1, 1, 3))
+        with pytest.raises(AFDConnectionError, match=r"the mlp of layer 1 failed on 3 "
+                                                     r"token\(s\): RuntimeError: injected"):
+            p0.recv_output(1, 0)
+        _wait_for(lambda: loop.serving == [], "the session ends")
+        assert not loop.batcher.computing and loop.batcher.calls == 5
+        p0.close()
+        p0 = attention(0)
+        conns.append(p0)
+        _wait_for(lambda: loop.serving == [0], "the rank is served again")
+        _joint_step(loop, {0: p0}, 2, {0: 4})
+        assert loop.batcher.largest == 4 and loop.error is None
+    finally:
+        for conn in conns:
+            conn.close()
+        loop.stop()
+
+
 def test_ffn_loop_serves_a_resumed_step_from_its_layers():
     """A step re-sent after a failover (StepHeader.from_layer): micro-batch 0
     from layer 2 on, micro-batch 1 with nothing left; the next plain step is

@@ -186,32 +186,21 @@ class LayerBatcher:
         if rows > self.max_tokens:  # the connector's checks make this impossible
             raise ValueError(f"AFD FFN: a call of {rows} tokens from attention rank "
                              f"{peer}; the FFN is sized for {self.max_tokens}")
-        if self.role == "alone":
+        if self.role == "alone" and self.enter_alone(peer):
             # A lone peer's call (nobody else inside a step, nothing pending or
             # computing) runs at once, without a _Call, the wait or the
             # grouping: each costs tens of microseconds on a cold cache, per
-            # layer call, and so does each Python call (why this is inline).
-            # The condition's lock itself (a C call; the Condition's own enter
-            # is Python), and a notify only for calls asleep in the batching path.
-            with self._lock:
-                alone = not (self.computing or self.pending or not self.active <= {peer})
-                if alone:
-                    self.computing = True
-            if alone:
-                try:
-                    x = h if type(h) is torch.Tensor else gather([h])
-                    out = (self.run_mlp(layer, x) if routing is None
-                           else self.run_mlp(layer, x, routing))
-                    self.batches += 1
-                    if rows > self.largest:
-                        self.largest = rows
-                finally:
-                    with self._lock:
-                        self.calls += 1
-                        self.computing = False
-                        if self.sleepers:
-                            self.cv.notify_all()  # a peer that came meanwhile
-                return out
+            # layer call. (The FFN loop's own fast path calls enter_alone and
+            # leave_alone itself, and the mlp between them.)
+            ran = False
+            try:
+                x = h if type(h) is torch.Tensor else gather([h])
+                out = (self.run_mlp(layer, x) if routing is None
+                       else self.run_mlp(layer, x, routing))
+                ran = True
+            finally:
+                self.leave_alone(rows, ran)
+            return out
         call = _Call(layer, h, peer, routing)
         if self.role == "follower":
             return self._follow(call)
@@ -250,6 +239,31 @@ class LayerBatcher:
                 self.computing = False
                 self.cv.notify_all()
         return call.result()
+
+    def enter_alone(self, peer: int) -> bool:
+        """Whether `peer`'s call may run at once, alone: the batcher batches
+        alone ("alone" role), nobody else is inside a step, nothing is pending
+        or computing. True: it counts as computing until leave_alone."""
+        # The condition's lock itself (a C call; the Condition's own enter is
+        # Python): this is on the path from a layer's hidden states to its mlp.
+        with self._lock:
+            if (self.role != "alone" or self.computing or self.pending
+                    or not self.active <= {peer}):
+                return False
+            self.computing = True
+            return True
+
+    def leave_alone(self, rows: int, ran: bool = True) -> None:
+        """The call enter_alone let in is done (its mlp ran, or raised)."""
+        with self._lock:
+            self.calls += 1
+            if ran:
+                self.batches += 1
+                if rows > self.largest:
+                    self.largest = rows
+            self.computing = False
+            if self.sleepers:
+                self.cv.notify_all()  # a peer that came meanwhile
 
     def _run(self, batch: list[_Call]) -> None:
         by_layer: dict[int, list[_Call]] = {}

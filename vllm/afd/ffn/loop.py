@@ -359,15 +359,18 @@ class FFNLoop:
             logger.warning("AFD FFN rank %d: %s; listening again", self.placement.rank,
                            self.last_error)
 
+    def _compute_error(self, layer_idx: int, rows: int, e: Exception) -> FFNComputeError:
+        return FFNComputeError(f"FFN rank {self.placement.rank}: the mlp of layer "
+                               f"{layer_idx} failed on {rows} token(s): "
+                               f"{type(e).__name__}: {e}")
+
     def _run_mlp(self, layer_idx: int, h: torch.Tensor,
                  routing: Routing | None = None) -> torch.Tensor:
         t0 = now()
         try:
             out = self.compute_fn(layer_idx, h, routing)
         except Exception as e:
-            raise FFNComputeError(f"FFN rank {self.placement.rank}: the mlp of layer "
-                                  f"{layer_idx} failed on {h.shape[0]} token(s): "
-                                  f"{type(e).__name__}: {e}") from e
+            raise self._compute_error(layer_idx, h.shape[0], e) from e
         elapsed = now() - t0
         self.compute.compute_s += elapsed
         # Into the histograms when the step ends (fold_observed): two calls
@@ -395,6 +398,13 @@ class FFNLoop:
         elsewhere."""
         answer, batcher = self.placement.is_lead, self.batcher
         stats = self.peer_stats.setdefault(peer, LinkStats())
+        # A lone lead's calls without routing: the mlp runs here, between the
+        # batcher's enter_alone and leave_alone, and its output goes out first
+        # (a prepared call where the connector has them), before any
+        # bookkeeping: on a cold cache each Python line and frame between an
+        # mlp and its reply costs microseconds of both sides' time.
+        lone = answer and batcher.role == "alone" and not self.routing_topk
+        compute_fn, observed, compute = self.compute_fn, self._observed, self.compute
         spin_seen = [0, 0]  # this session's connector's spin counters, counted so far
         while not self.stop_event.is_set():
             header = conn.recv_step(peer)
@@ -424,6 +434,37 @@ class FFNLoop:
                         # them straight into the joined MoE input.
                         h = conn.recv_hidden(peer, layer_idx, u, defer=True)
                         stats.wait_s += now() - t0
+                    if lone and type(h) is torch.Tensor and batcher.enter_alone(peer):
+                        t0 = now()
+                        try:
+                            out = compute_fn(layer_idx, h, None)
+                        except Exception as e:
+                            batcher.leave_alone(0, ran=False)
+                            error = self._compute_error(layer_idx, h.shape[0], e)
+                            conn.report_error(str(error))
+                            raise error from e
+                        t1 = now()
+                        posted = conn.reply_prepared(peer, layer_idx, u, out)
+                        # The post is counted as waiting, moved to send_s when
+                        # the step ends (take_reply_send_s), as reply_and_recv's.
+                        t2 = now()
+                        stats.wait_s += t2 - t1
+                        rows = h.shape[0]
+                        batcher.leave_alone(rows)
+                        compute.compute_s += t1 - t0
+                        observed.append((t1 - t0, rows))
+                        h = None
+                        if posted:
+                            if i < last:
+                                h = conn.recv_prepared(peer, *calls[i + 1])
+                                stats.wait_s += now() - t2
+                        elif i < last:
+                            h = conn.reply_and_recv(peer, layer_idx, u, out, *calls[i + 1])
+                            stats.wait_s += now() - t2
+                        else:
+                            conn.send_output(peer, layer_idx, u, out)
+                            stats.send_s += now() - t2
+                        continue
                     # Without routed layers no routing can come (the connector
                     # was built without: routing_topk 0).
                     routing = (self._routing_of(conn, peer, layer_idx, u) if routed_topk

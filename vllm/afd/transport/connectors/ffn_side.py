@@ -114,6 +114,18 @@ class FFNSide:
         self._reply_send_s[peer] = self._reply_send_s.get(peer, 0.0) + time.perf_counter() - t0
         return self.recv_hidden(peer, next_layer, next_ubatch, defer=True)
 
+    def reply_prepared(self, peer: int, layer_id: int, ubatch_id: int,
+                       out: torch.Tensor) -> bool:
+        """Send the output of (layer_id, ubatch_id) through a prepared call, if
+        this connector has them for this step (shm_fast.py): True when sent,
+        and then recv_prepared takes the peer's next call. False: nothing was
+        sent (reply_and_recv or send_output do it)."""
+        return False
+
+    def recv_prepared(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor | Packed":
+        """The hidden states of the peer's next call, after reply_prepared."""
+        return self.recv_hidden(peer, layer_id, ubatch_id, defer=True)
+
     def take_reply_send_s(self, peer: int) -> float:
         """Seconds reply_and_recv spent sending to peer since the last call."""
         return self._reply_send_s.pop(peer, 0.0)

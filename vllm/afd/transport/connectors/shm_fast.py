@@ -48,8 +48,9 @@ on the FFN side), and a layer call is one C call with four numbers:
   attention  prepared_send(layer, u, h, out), then prepared_recv(layer, u, out):
              send h; wait and copy the output into out (link.py uses them for
              steps of one micro-batch, and counts the call in between)
-  FFN        reply_and_recv(peer, layer, u, out, next_layer, next_u): send this
-             call's output, wait for the next call's hidden states
+  FFN        reply_prepared(peer, layer, u, out), then recv_prepared(peer,
+             next_layer, next_u): send this call's output; wait for the next
+             call's hidden states (reply_and_recv does both)
 
 Both fall back as the calls above do: nothing sent (a full ring) means the
 general path does it all; sent but no expected answer in time means the
@@ -241,14 +242,13 @@ class FastFrames:
             return False
         calls, C, sizes = prepared
         size = sizes[ubatch_id]
-        nbytes, dtype = size[5], self.dtype
-        # Inline checks: a Python call costs microseconds on a cold cache. What
-        # the copies need (host memory, contiguous, the slot's byte count: the
-        # same both ways, the fast path's transfer is exact) and the dtype;
-        # nbytes, not shape: a tuple compare costs 4x an attribute.
-        if not (h.dtype == dtype and out.dtype == dtype and h.is_cpu and out.is_cpu
-                and h.nbytes == nbytes and out.nbytes == nbytes and h.is_contiguous()
-                and out.is_contiguous()):
+        # Inline checks: a Python call costs microseconds on a cold cache (each
+        # tensor attribute 1-3 us after a layer's compute). What the copy needs
+        # (host memory, contiguous, the slot's byte count) and the dtype;
+        # nbytes, not shape: a tuple compare costs 4x an attribute. `out`'s are
+        # prepared_recv's, made while the FFN computes.
+        if not (h.dtype == self.dtype and h.is_cpu and h.nbytes == size[5]
+                and h.is_contiguous()):
             return False
         if C.lane_post_call(calls, ubatch_id, layer_id, h.data_ptr()) == 1:
             return False  # a full ring: nothing sent
@@ -259,14 +259,19 @@ class FastFrames:
     def prepared_recv(self, layer_id: int, ubatch_id: int, out: torch.Tensor) -> bool:
         calls, C, sizes = self._prepared[0]
         size = sizes[ubatch_id]
-        # Counted before, so that nothing stands between the output's arrival
-        # and the caller; undone when it does not come.
-        self.bytes_received += size[2]
-        self.fast_calls += 1
-        if C.lane_take_call(calls, ubatch_id, layer_id, out.data_ptr()):
-            return True
-        self.bytes_received -= size[2]
-        self.fast_calls -= 1
+        dtype = self.dtype
+        # What the copy into `out` needs (as prepared_send's checks, made here
+        # while the FFN computes); the general receive takes any other `out`.
+        if (out.dtype == dtype and out.is_cpu and out.nbytes == size[5]
+                and out.is_contiguous()):
+            # Counted before, so that nothing stands between the output's arrival
+            # and the caller; undone when it does not come.
+            self.bytes_received += size[2]
+            self.fast_calls += 1
+            if C.lane_take_call(calls, ubatch_id, layer_id, out.data_ptr()):
+                return True
+            self.bytes_received -= size[2]
+            self.fast_calls -= 1
         # The general receive takes over (recv_output: its wait, its errors).
         self._in_flight.append((layer_id, ubatch_id, size[3]))
         return False
@@ -317,42 +322,54 @@ class FastFrames:
 
     def reply_and_recv(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor,
                        next_layer: int, next_ubatch: int) -> "torch.Tensor":
+        if self.reply_prepared(peer, layer_id, ubatch_id, out):
+            return self.recv_prepared(peer, next_layer, next_ubatch)
+        return super().reply_and_recv(peer, layer_id, ubatch_id, out, next_layer, next_ubatch)
+
+    def reply_prepared(self, peer: int, layer_id: int, ubatch_id: int,
+                       out: torch.Tensor) -> bool:
         prepared = self._prepared.get(peer)
         awaiting, key = self._awaiting, (peer, ubatch_id)
         awaited = awaiting.get(key)
         if (prepared is None or awaited is None or awaited[0] != layer_id
                 or self._failure is not None):
-            return super().reply_and_recv(peer, layer_id, ubatch_id, out, next_layer,
-                                          next_ubatch)
+            return False
         calls, C, sizes = prepared
         size = sizes[ubatch_id]
         # Inline checks (see prepared_send): a Python call costs microseconds on
-        # a cold cache.
+        # a cold cache, and this is the path from the mlp to the attention side.
         if not (out.dtype == self.dtype and out.is_cpu and out.nbytes == size[5]
                 and out.is_contiguous()) or C.lane_post_call(calls, ubatch_id, layer_id,
                                                              out.data_ptr()) == 1:
-            return super().reply_and_recv(peer, layer_id, ubatch_id, out, next_layer,
-                                          next_ubatch)
-        # Sent. All the bookkeeping now, while the attention side computes, the
-        # receive's as if it will succeed (undone below when it does not): after
-        # the receive, only the return stands between it and the next mlp.
+            return False
+        # Sent: the bookkeeping now, while the attention side computes.
         self.bytes_sent += size[1]
+        self.fast_calls += 1
         del awaiting[key]
-        routings = self._routings
-        routings.pop(key, None)
-        _, _, received, shape, view, _ = sizes[next_ubatch]
-        key = (peer, next_ubatch)
-        awaiting[key] = (next_layer, shape)
-        routings[key] = None
+        self._routings.pop(key, None)
+        return True
+
+    def recv_prepared(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor":
+        prepared = self._prepared.get(peer)
+        if prepared is None:
+            return self.recv_hidden(peer, layer_id, ubatch_id, defer=True)
+        calls, C, sizes = prepared
+        _, _, received, shape, view, _ = sizes[ubatch_id]
+        # The receive's bookkeeping as if it will succeed (undone below when it
+        # does not): after the receive, only the return stands between it and
+        # the next mlp.
+        key = (peer, ubatch_id)
+        self._awaiting[key] = (layer_id, shape)
+        self._routings[key] = None
         self.bytes_received += received
-        self.fast_calls += 2
-        if C.lane_take_call(calls, next_ubatch, next_layer, 0):
+        self.fast_calls += 1
+        if C.lane_take_call(calls, ubatch_id, layer_id, 0):
             return view
-        del awaiting[key]
-        del routings[key]
+        del self._awaiting[key]
+        del self._routings[key]
         self.bytes_received -= received
         self.fast_calls -= 1
-        return self.recv_hidden(peer, next_layer, next_ubatch, defer=True)
+        return self.recv_hidden(peer, layer_id, ubatch_id, defer=True)
 
     def take_reply_send_s(self, peer: int) -> float:
         return self._prepared_send_s(peer) + super().take_reply_send_s(peer)
