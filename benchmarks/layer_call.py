@@ -43,25 +43,14 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from link_latency import ATTENTION_CORE, FFN_CORE, free_port, pin
+
 HIDDEN, LAYERS = 2048, 8
-ATTENTION_CORE, FFN_CORE = 0, 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pin(core: int) -> None:
-    if hasattr(os, "sched_setaffinity") and core < (os.cpu_count() or 1):
-        os.sched_setaffinity(0, {core})
 
 
 def link_config(port: int):

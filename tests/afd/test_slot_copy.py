@@ -11,6 +11,7 @@ import socket
 import pytest
 import torch
 from test_connectors import Background, free_port
+from test_doorbell import echo
 
 from vllm.afd.config import AFDConfig
 from vllm.afd.transport import doorbell
@@ -39,17 +40,6 @@ def shm_pair(stream_copies: str):
     for conn in (ffn, attn):  # counting, not timing (a loaded host's waits run long)
         conn._links[0].fast_wait_ms = 10_000
     return ffn, attn
-
-
-def echo(ffn, layers: int) -> int:
-    steps = 0
-    while True:
-        step = ffn.recv_step(0)
-        if step.is_goodbye or step.is_shutdown:
-            return steps
-        for layer in range(layers):
-            ffn.send_output(0, layer, 0, ffn.recv_hidden(0, layer, 0) * 2 + layer)
-        steps += 1
 
 
 def unaligned(rows: int, g: torch.Generator) -> torch.Tensor:

@@ -690,6 +690,8 @@ def test_a_lone_peers_failed_mlp_call_is_reported_and_the_loop_serves_on(connect
         p0 = attention(0)
         conns.append(p0)
         _joint_step(loop, {0: p0}, 0, {0: 2})
+        # The FFN counts a step after its last answer: wait for it to get there.
+        _wait_for(lambda: loop.stats().steps == 1, "the step counted")
         assert (loop.batcher.calls, loop.batcher.batches, loop.batcher.largest) == (3, 3, 2)
         assert loop.compute_hist.count == 3 and loop.stats().compute_s > 0
         p0.send_step(StepHeader(step_id=1, num_tokens=[3]))

@@ -458,26 +458,22 @@ class FFNLoop:
                             if i < last:
                                 h = conn.recv_prepared(peer, *calls[i + 1])
                                 stats.wait_s += now() - t2
-                        elif i < last:
-                            h = conn.reply_and_recv(peer, layer_idx, u, out, *calls[i + 1])
-                            stats.wait_s += now() - t2
-                        else:
-                            conn.send_output(peer, layer_idx, u, out)
-                            stats.send_s += now() - t2
-                        continue
-                    # Without routed layers no routing can come (the connector
-                    # was built without: routing_topk 0).
-                    routing = (self._routing_of(conn, peer, layer_idx, u) if routed_topk
-                               else None)
-                    try:
-                        out = batcher.compute(layer_idx, h, peer, routing)
-                    except (FFNComputeError, PlanError) as e:
-                        # The attention side fails with this text, not "goodbye".
-                        conn.report_error(str(e))
-                        raise
-                    h = None
-                    if not answer:
-                        continue
+                            continue
+                        # Not posted: replied below, as a batched call is.
+                    else:
+                        # Without routed layers no routing can come (the
+                        # connector was built without: routing_topk 0).
+                        routing = (self._routing_of(conn, peer, layer_idx, u) if routed_topk
+                                   else None)
+                        try:
+                            out = batcher.compute(layer_idx, h, peer, routing)
+                        except (FFNComputeError, PlanError) as e:
+                            # The attention side fails with this text, not "goodbye".
+                            conn.report_error(str(e))
+                            raise
+                        h = None
+                        if not answer:
+                            continue
                     t2 = now()
                     if i < last:
                         # This output and the next call's hidden states in one go
