@@ -22,8 +22,13 @@ separates the two regimes with everything else held fixed:
          FFN side, stream --stream-mb MB through the caches (a torch add_ over
          that much memory: what a CPU layer's weights do)
 
-Per layer call: the attention side's round trip (`exchange`) minus the mlp's
-own time, and split at the mlp: from entering `exchange` to the mlp's start
+The attention side calls either the link (`--through exchange`:
+AttentionLink.exchange with a caller-owned output) or the model's seam
+(`--through model`: the RemoteFFN module a decoder layer calls, as an eager
+vLLM model does: it allocates the output and calls the exchange).
+
+Per layer call: the attention side's round trip (`exchange`, or the RemoteFFN
+forward) minus the mlp's own time, and split at the mlp: from entering `exchange` to the mlp's start
 (the attention side's send path, the wake-up, the FFN loop up to the mlp) and
 from the mlp's end to `exchange` returning (the FFN loop after the mlp, its
 reply, the wake-up, the copy out). Both processes read CLOCK_MONOTONIC
@@ -40,6 +45,7 @@ Results: benchmarks/results/layer_call.json (and a table on stdout).
 """
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -102,10 +108,12 @@ def percentiles(values: list[float]) -> dict:
             "mean_us": round(statistics.mean(v), 2)}
 
 
-def run(tokens: int, stream_mb: int, steps: int) -> dict:
+def run(tokens: int, stream_mb: int, steps: int, through: str) -> dict:
     import torch
 
+    from vllm.afd.attention import runner
     from vllm.afd.attention.link import AttentionLink, StepPlan
+    from vllm.afd.model.remote_ffn import RemoteFFN
 
     port = free_port()
     ctx = mp.get_context("spawn")
@@ -118,8 +126,13 @@ def run(tokens: int, stream_mb: int, steps: int) -> dict:
             raise RuntimeError("the FFN loop did not become ready")
         link = AttentionLink(link_config(port), hidden_size=HIDDEN, dtype=torch.bfloat16,
                              max_tokens=tokens)
-        for layer in range(LAYERS):
-            link.add_layer(layer)
+        seams = None  # through the link's exchange
+        if through == "model":  # the modules add their layers to the process's link
+            runner.install_link(link)
+            seams = [RemoteFFN(layer, None) for layer in range(LAYERS)]
+        else:
+            for layer in range(LAYERS):
+                link.add_layer(layer)
         link.start()
         junk = torch.zeros(stream_mb << 18) if stream_mb else None
         h = torch.randn(tokens, HIDDEN).to(torch.bfloat16)
@@ -132,7 +145,10 @@ def run(tokens: int, stream_mb: int, steps: int) -> dict:
                     if junk is not None:
                         junk.add_(1.0)
                     t0 = time.perf_counter()
-                    link.exchange(layer, h, out)
+                    if seams is None:
+                        link.exchange(layer, h, out)
+                    else:
+                        out = seams[layer](h)
                     calls.append((t0, time.perf_counter()))
                 link.end_step()
         torch.testing.assert_close(out, h, rtol=0, atol=0)
@@ -140,7 +156,10 @@ def run(tokens: int, stream_mb: int, steps: int) -> dict:
         commands.put("stamps")
         ffn = ready.get(timeout=60)
         stats = link.stats
-        link.close()
+        if through == "model":
+            runner.close_link()
+        else:
+            link.close()
     finally:
         commands.put("stop")
         proc.join(30)
@@ -155,7 +174,8 @@ def run(tokens: int, stream_mb: int, steps: int) -> dict:
     pairs = [p for i, p in enumerate(every) if i % LAYERS]
     firsts = [p for i, p in enumerate(every) if i % LAYERS == 0]
     return {
-        "tokens": tokens, "stream_mb": stream_mb, "steps": steps, "layer_calls": len(pairs),
+        "tokens": tokens, "through": through, "stream_mb": stream_mb, "steps": steps,
+        "layer_calls": len(pairs),
         "beyond_compute": percentiles([((a1 - a0) - (m1 - m0)) * 1e6
                                        for (a0, a1), (m0, m1) in pairs]),
         "to_the_mlp": percentiles([(m0 - a0) * 1e6 for (a0, _), (m0, _) in pairs]),
@@ -176,6 +196,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=300, help="steps per case (8 layer calls each)")
     ap.add_argument("--stream-mb", type=int, default=32,
                     help="cold: MB each side streams per layer call (default %(default)s)")
+    ap.add_argument("--through", default="exchange,model",
+                    help="what the attention side calls: the link's exchange, the model's "
+                         "RemoteFFN, or both (default %(default)s)")
     ap.add_argument("--out", type=Path,
                     default=Path(__file__).parent / "results" / "layer_call.json")
     args = ap.parse_args(argv)
@@ -196,19 +219,23 @@ def main(argv=None) -> int:
                      "cores": {"attention": ATTENTION_CORE, "ffn": FFN_CORE}},
         "cases": []}
     print("per layer call, us (median / p90 / mean): beyond the mlp's compute, split at it")
-    for tokens in [int(t) for t in args.tokens.split(",")]:
-        for regime, mb in (("warm", 0), ("cold", args.stream_mb)):
-            case = {"regime": regime, **run(tokens, mb, args.steps)}
-            results["cases"].append(case)
+    throughs = args.through.split(",")
+    if not set(throughs) <= {"exchange", "model"}:
+        ap.error(f"--through: exchange and/or model, not {args.through!r}")
+    for tokens, through, (regime, mb) in itertools.product(
+            [int(t) for t in args.tokens.split(",")], throughs,
+            (("warm", 0), ("cold", args.stream_mb))):
+        case = {"regime": regime, **run(tokens, mb, args.steps, through)}
+        results["cases"].append(case)
 
-            def cell(key):
-                p = case[key]
-                return f"{p['median_us']:6.1f} / {p['p90_us']:6.1f} / {p['mean_us']:6.1f}"
+        def cell(key):
+            p = case[key]
+            return f"{p['median_us']:6.1f} / {p['p90_us']:6.1f} / {p['mean_us']:6.1f}"
 
-            print(f"  B={tokens:<3} {regime:4} ({mb:2d} MB)  beyond compute "
-                  f"{cell('beyond_compute')}   to the mlp {cell('to_the_mlp')}   after it {cell('after_the_mlp')}"
-                  f"   (mlp median {case['mlp']['median_us']:.0f}; a step's first call "
-                  f"{case['first_call_of_a_step_beyond_compute']['median_us']:.0f})", flush=True)
+        print(f"  B={tokens:<3} {through:8} {regime:4} ({mb:2d} MB)  beyond compute "
+              f"{cell('beyond_compute')}   to the mlp {cell('to_the_mlp')}   after it {cell('after_the_mlp')}"
+              f"   (mlp median {case['mlp']['median_us']:.0f}; a step's first call "
+              f"{case['first_call_of_a_step_beyond_compute']['median_us']:.0f})", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     print(f"[bench-layer-call] wrote {args.out}")

@@ -86,6 +86,64 @@ def test_remote_ffn_op_mutates_its_output_and_allocates_nothing(shm_link):
     assert shm_link.stats.steps == 1 and shm_link.stats.layer_calls == 2
 
 
+def remote_ffns(mode) -> list:
+    from vllm.afd.model.remote_ffn import RemoteFFN
+
+    # The fixture installed the process's link: the config is read for its
+    # compilation mode only.
+    config = SimpleNamespace(compilation_config=SimpleNamespace(mode=mode))
+    return [RemoteFFN(layer, config) for layer in (0, 1)]
+
+
+def test_an_eager_model_calls_the_exchange_without_the_dispatcher(shm_link):
+    """Compilation mode NONE: forward calls the op's function directly (the
+    dispatcher's round trip costs ~4 us a layer warm); the result is the same."""
+    from vllm.config import CompilationMode
+
+    h = torch.randn(3, HIDDEN)
+    shm_link.begin_step(StepPlan(num_tokens=(3,)))
+    for layer, ffn in enumerate(remote_ffns(CompilationMode.NONE)):
+        with AtenOps() as ops:
+            out = ffn(h)
+        assert torch.equal(out, h * 2 + layer)
+        assert "afd_remote_ffn" not in ops.names, ops.names
+    shm_link.end_step()
+    # Hidden states that are a strided view: the exchange makes them contiguous.
+    strided = torch.randn(HIDDEN, 3).t()
+    shm_link.begin_step(StepPlan(num_tokens=(3,)))
+    for layer, ffn in enumerate(remote_ffns(CompilationMode.NONE)):
+        assert torch.equal(ffn(strided), strided * 2 + layer)
+    shm_link.end_step()
+
+
+def test_a_compiled_model_keeps_the_exchange_one_opaque_op(shm_link):
+    """Any other mode: torch.compile sees one op per layer (the splitting op),
+    with fullgraph: tracing into the link would break the graph."""
+    from vllm.config import CompilationMode
+
+    ffns = remote_ffns(CompilationMode.VLLM_COMPILE)
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(node.target) for node in gm.graph.nodes
+                       if node.op == "call_function")
+        return gm.forward
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def two_layers(h):
+        return ffns[1](ffns[0](h) + 1)
+
+    h = torch.randn(3, HIDDEN)
+    shm_link.begin_step(StepPlan(num_tokens=(3,)))
+    try:
+        out = two_layers(h)
+    finally:
+        torch._dynamo.reset()
+    shm_link.end_step()
+    assert torch.equal(out, (h * 2 + 1) * 2 + 1)  # the compiled op called the link
+    assert sum("afd_remote_ffn" in t for t in targets) == 2, targets
+
+
 def test_an_abandoned_step_resyncs_the_ffn(shm_link):
     """The model failed between two exchanges: end_step(failed) tells the FFN
     (it drops the session) and the link reconnects; the next step works."""

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """`make bench-layer-call` (benchmarks/layer_call.py) runs end to end on a short
-setting: both regimes, every layer call matched with its mlp call, the step's
+setting: both regimes, through the link's exchange and through the model's
+RemoteFFN modules, every layer call matched with its mlp call, the step's
 first calls apart. Its numbers are the benchmark's to report, not this test's."""
 
 import json
@@ -23,7 +24,8 @@ def test_the_layer_call_benchmark_matches_every_call_with_its_mlp(tmp_path):
                            "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [c["regime"] for c in result["cases"]] == ["warm", "cold"]
+    assert [(c["through"], c["regime"]) for c in result["cases"]] == [
+        ("exchange", "warm"), ("exchange", "cold"), ("model", "warm"), ("model", "cold")]
     for case in result["cases"]:
         # 12 steps of 8 layer calls: a tenth of them, in whole steps (one), is
         # warm-up; each step's first call is reported apart.
@@ -33,4 +35,6 @@ def test_the_layer_call_benchmark_matches_every_call_with_its_mlp(tmp_path):
             p = case[key]
             assert p["median_us"] <= p["p90_us"], (key, p)
         assert case["to_the_mlp"]["median_us"] > 0 and case["after_the_mlp"]["median_us"] > 0
-    assert "B=1   warm" in proc.stdout and "B=1   cold" in proc.stdout
+    for through in ("exchange", "model"):
+        assert f"B=1   {through:8} warm" in proc.stdout, proc.stdout
+        assert f"B=1   {through:8} cold" in proc.stdout, proc.stdout

@@ -337,6 +337,7 @@ class AttentionLink:
                 return self._finish_exchange(layer_idx, 0, hidden_states, out, routing, member,
                                              t0, t0, None)
             self._fast = None
+        hidden_states = hidden_states.contiguous()  # sends read its bytes as they lie
         turn = pingpong.current_turn()
         pp, u = turn if turn is not None else (None, 0)
         if ubatch is not None:

@@ -66,6 +66,16 @@ def get_or_create_link(vllm_config) -> AttentionLink:
         return _link
 
 
+def install_link(link: AttentionLink) -> None:
+    """Make `link` this process's link, for a process that builds its own
+    (benchmarks/layer_call.py drives RemoteFFN modules without an engine)."""
+    global _link
+    with _link_lock:
+        if _link is not None and _link is not link:
+            raise RuntimeError("AFD: this process already has an attention link")
+        _link = link
+
+
 def close_link() -> None:
     """Close and forget this process's link: an engine started after this one
     in the same process (tools/oracle.py --matrix) links anew."""

@@ -16,6 +16,13 @@ it graph-safe:
 - FULL graph modes are lowered to piecewise unless the connector can be
   captured (none of ours can).
 
+In a model that is never traced (compilation mode NONE: enforce_eager),
+forward calls the op's function itself: the dispatcher's round trip into a
+Python kernel costs ~4 us per layer on a warm host (benchmarks/layer_call.py,
+"model" rows). What runs is the same function either way. The choice is made
+once, from the config: torch.compiler.is_compiling() would cost ~10 us per call
+on a CPU host's cold cache, more than it saves there.
+
 With gate_on "attention" a MoE layer's RemoteFFN also owns the layer's router
 gate (submodule `gate`, loaded from the checkpoint's `mlp.gate.*`) and routes
 inside the op (model/routing.py): kept out of torch.compile's graph, the gate
@@ -27,6 +34,7 @@ from torch import nn
 
 from vllm.afd.attention.runner import get_link, get_or_create_link
 from vllm.afd.compat import REMOTE_FFN_OP
+from vllm.config import CompilationMode
 from vllm.utils.torch_utils import direct_register_custom_op
 
 # layer index -> the RemoteFFN that routes it (gate_on "attention", MoE layers).
@@ -47,10 +55,18 @@ class RemoteFFN(nn.Module):
             _routed.pop(layer_idx, None)
         get_or_create_link(vllm_config).add_layer(
             layer_idx, routing_topk=router.topk if router is not None else 0)
+        # Never traced: the op's function without the dispatcher. Without a
+        # config (a link installed by hand: benchmarks/layer_call.py) eager too.
+        self.eager = vllm_config is None or (
+            vllm_config.compilation_config.mode == CompilationMode.NONE)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        output = torch.empty_like(hidden_states)
-        torch.ops.vllm.afd_remote_ffn(hidden_states, output, self.layer_idx)
+        # Contiguous whatever the input's strides: the link writes rows of bytes.
+        output = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+        if self.eager:
+            _afd_remote_ffn(hidden_states, output, self.layer_idx)
+        else:
+            torch.ops.vllm.afd_remote_ffn(hidden_states, output, self.layer_idx)
         return output
 
     def extra_repr(self) -> str:
@@ -65,7 +81,9 @@ def _afd_remote_ffn(hidden_states: torch.Tensor, output: torch.Tensor,
     routing = None
     if remote is not None and link.plan is not None and link.plan.is_real:
         routing = remote.router(hidden_states)
-    link.exchange(layer_idx, hidden_states.contiguous(), output, routing)
+    # Not made contiguous here: exchange's fast path checks that itself, and
+    # its general path makes it so (one tensor method less on a cold cache).
+    link.exchange(layer_idx, hidden_states, output, routing)
 
 
 def _afd_remote_ffn_fake(hidden_states: torch.Tensor, output: torch.Tensor,
