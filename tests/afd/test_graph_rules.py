@@ -116,6 +116,40 @@ def test_an_eager_model_calls_the_exchange_without_the_dispatcher(shm_link):
     shm_link.end_step()
 
 
+def test_an_eager_remote_ffn_runs_the_hooks_registered_on_it(shm_link):
+    """RemoteFFN's own __call__ skips nn.Module's machinery only where that
+    would find nothing to run: hooks, the module's and the global ones, run."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    from vllm.config import CompilationMode
+
+    first, second = remote_ffns(CompilationMode.NONE)
+    h = torch.randn(3, HIDDEN)
+
+    def step() -> torch.Tensor:  # a step calls each layer once, in order
+        shm_link.begin_step(StepPlan(num_tokens=(3,)))
+        out = first(h)
+        second(out)
+        shm_link.end_step()
+        return out
+
+    assert torch.equal(step(), h * 2)  # no hooks: straight to forward
+    pre = first.register_forward_pre_hook(lambda module, args: (args[0] + 1,))
+    assert torch.equal(step(), (h + 1) * 2)
+    pre.remove()
+    post = first.register_forward_hook(lambda module, args, out: out * 3)
+    assert torch.equal(step(), h * 2 * 3)
+    post.remove()
+    seen = []
+    handle = register_module_forward_hook(lambda module, args, out: seen.append(module))
+    try:
+        step()
+    finally:
+        handle.remove()
+    assert seen == [first, second]
+    assert torch.equal(step(), h * 2)
+
+
 def test_a_compiled_model_keeps_the_exchange_one_opaque_op(shm_link):
     """Any other mode: torch.compile sees one op per layer (the splitting op),
     with fullgraph: tracing into the link would break the graph."""
