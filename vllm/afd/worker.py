@@ -21,6 +21,7 @@ def build_ffn_loop(vllm_config, model: torch.nn.Module, worker_rank: int):
     """The FFN loop of one worker (not started)."""
     from vllm.afd.ffn.loop import FFNLoop
     from vllm.afd.model.fingerprint import model_fingerprint
+    from vllm.afd.model.module_call import call_module
     from vllm.afd.model.routing import call_with_routing
     from vllm.afd.model.split import ffn_layers
     from vllm.afd.nccl_factory import connector_kwargs
@@ -39,8 +40,8 @@ def build_ffn_loop(vllm_config, model: torch.nn.Module, worker_rank: int):
         previous = forward_context_module._forward_context
         forward_context_module._forward_context = forward_context
         try:
-            return mlps[layer](h) if routing is None else call_with_routing(mlps[layer], h,
-                                                                          routing)
+            return (call_module(mlps[layer], h) if routing is None
+                    else call_with_routing(mlps[layer], h, routing))
         finally:
             forward_context_module._forward_context = previous
 

@@ -31,10 +31,10 @@ and top-k run eagerly, as they would on the FFN role.
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module
 
 from vllm.afd.attention.runner import get_link, get_or_create_link
 from vllm.afd.compat import REMOTE_FFN_OP
+from vllm.afd.model.module_call import call_module
 from vllm.config import CompilationMode
 from vllm.utils.torch_utils import direct_register_custom_op
 
@@ -62,18 +62,10 @@ class RemoteFFN(nn.Module):
             vllm_config.compilation_config.mode == CompilationMode.NONE)
 
     def __call__(self, *args, **kwargs):
-        # An eager model calls forward directly when nn.Module's own call would:
-        # no hooks of any kind, not compiled (Module.compile). Its machinery (two
-        # frames and the tracing-state call around the same checks) cost ~28 us
-        # a layer on a CPU host's cold cache against ~11 for the checks alone.
-        # Anything registered runs as ever, through nn.Module.__call__.
-        if self.eager and not (
-                self._forward_pre_hooks or self._forward_hooks or self._backward_hooks
-                or self._backward_pre_hooks or _module._global_forward_pre_hooks
-                or _module._global_forward_hooks or _module._global_backward_hooks
-                or _module._global_backward_pre_hooks
-                or self._compiled_call_impl is not None):
-            return self.forward(*args, **kwargs)
+        # An eager model skips nn.Module's call machinery where it would run
+        # nothing (model/module_call.py: ~28 us a layer on a cold cache).
+        if self.eager:
+            return call_module(self, *args, **kwargs)
         return super().__call__(*args, **kwargs)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:

@@ -28,6 +28,7 @@ import threading
 import torch
 from torch import nn
 
+from vllm.afd.model.module_call import call_module
 from vllm.afd.transport import wire
 from vllm.logger import init_logger
 
@@ -196,10 +197,10 @@ def call_with_routing(mlp: nn.Module, hidden_states: torch.Tensor,
                       routing: wire.Routing | None) -> torch.Tensor:
     """mlp(hidden_states), its MoE routed by `routing` (None: as usual)."""
     if routing is None:
-        return mlp(hidden_states)
+        return call_module(mlp, hidden_states)
     _tls.routing, _tls.used = routing, 0
     try:
-        out = mlp(hidden_states)
+        out = call_module(mlp, hidden_states)
         used = _tls.used
     finally:
         _tls.routing = None
