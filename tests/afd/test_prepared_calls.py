@@ -312,3 +312,48 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps():
     finally:
         link.close()
         loop.stop()
+
+
+@pytest.mark.parametrize("connector", ["shm", "tcp"])
+def test_an_output_buffer_the_transport_cannot_fill_fails_no_link(connector):
+    """exchange's `out` is the caller's: a strided one gets the output copied
+    in; one of another shape or dtype raises ValueError once the output is
+    taken. Neither is a link failure: no failover, the step goes on."""
+    from test_connectors import free_port
+
+    port = free_port()
+    layers = [0, 1, 2]
+    config = dict(connector=connector, port=port, timeout_s=10,
+                  connector_extra_config={"spin_us": 20_000} if connector == "shm" else {})
+    loop = FFNLoop(LinkConfig(role="ffn", **config), layers=layers,
+                   compute=lambda layer, h, routing: h * 2 + layer, hidden_size=HIDDEN,
+                   dtype=torch.float32, max_tokens=8, placement=FFNPlacement(rank=0, group=[0]),
+                   warmup_sizes=[])
+    loop.start()
+    link = AttentionLink(LinkConfig(**config), hidden_size=HIDDEN, dtype=torch.float32,
+                         max_tokens=8)
+    for layer in layers:
+        link.add_layer(layer)
+    try:
+        assert loop.ready.wait(10)
+        link.start()
+        h = torch.randn(4, HIDDEN)
+        link.begin_step(StepPlan(num_tokens=(4,)))
+        strided = torch.full((HIDDEN, 4), float("nan")).t()
+        assert link.exchange(0, h, strided) is strided
+        assert torch.equal(strided, h * 2)
+        with pytest.raises(ValueError, match=r"output buffer of layer 1 micro-batch 0 is "
+                                             r"\[4, 64\] torch.float64"):
+            link.exchange(1, h, torch.empty(4, HIDDEN, dtype=torch.float64))
+        out = torch.empty_like(h)
+        link.exchange(2, h, out)  # the link stayed in step
+        assert torch.equal(out, h * 2 + 2)
+        link.end_step()
+        assert link.failovers == 0 and link.pool.members[0].failed_over == 0
+        link.begin_step(StepPlan(num_tokens=(4,)))
+        for layer in layers:
+            assert torch.equal(link.exchange(layer, h, torch.empty_like(h)), h * 2 + layer)
+        link.end_step()
+    finally:
+        link.close()
+        loop.stop()

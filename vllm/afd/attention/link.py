@@ -369,6 +369,7 @@ class AttentionLink:
         failing over as needed; then the step's and the link's counters."""
         where = f"layer {layer_idx} micro-batch {u}"
         self._pending[u] = (layer_idx, hidden_states, routing)
+        staged = None  # the output, where `out` cannot take it from the transport
         t2 = now()
         while True:
             member = self._member  # a failover while others held the turn moves it
@@ -378,8 +379,21 @@ class AttentionLink:
                 lead = member.lead
                 if lead is None:
                     raise AFDLinkDown(f"{member.name} was closed")
-                lead.recv_output(layer_idx, u, out=out)
+                if staged is None:
+                    lead.recv_output(layer_idx, u, out=out)
+                else:
+                    staged = lead.recv_output(layer_idx, u)
                 break
+            except ValueError as e:
+                # The connector refuses an `out` it cannot fill (strided, another
+                # shape or dtype) before it receives anything: the caller's
+                # buffer, not the link, so no failover; the output comes
+                # through the transport's buffer instead (below).
+                if staged is None and not self._fits(out, hidden_states):
+                    staged = False
+                    continue
+                failed_at = failed_at or now()
+                self._fail_over(member, e, where)
             except Exception as e:
                 failed_at = failed_at or now()
                 self._fail_over(member, e, where)
@@ -397,7 +411,19 @@ class AttentionLink:
         stats.routed_calls += routing is not None
         self.round_trip.observe(t3 - t0)
         self._step_calls_left -= 1
+        if staged is not None:
+            if out.shape != staged.shape or out.dtype != staged.dtype:
+                raise ValueError(
+                    f"AFD attention rank {self.rank}: the output buffer of layer {layer_idx} "
+                    f"micro-batch {u} is {list(out.shape)} {out.dtype}, the output "
+                    f"{list(staged.shape)} {staged.dtype} (the link stays in step)")
+            out.copy_(staged)  # a strided `out`: the values land where it says
         return out
+
+    def _fits(self, out: torch.Tensor, hidden_states: torch.Tensor) -> bool:
+        """Whether the transport can write layer outputs straight into `out`."""
+        return (out.shape == hidden_states.shape and out.dtype == self.dtype
+                and out.is_contiguous())
 
     def _fail_over(self, failed, error: BaseException, where: str):
         """A step lost `failed` at `where`: drop it (its thread reconnects) and
