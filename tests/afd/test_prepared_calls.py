@@ -315,10 +315,11 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps():
 
 
 @pytest.mark.parametrize("connector", ["shm", "tcp"])
-def test_an_output_buffer_the_transport_cannot_fill_fails_no_link(connector):
-    """exchange's `out` is the caller's: a strided one gets the output copied
-    in; one of another shape or dtype raises ValueError once the output is
-    taken. Neither is a link failure: no failover, the step goes on."""
+def test_tensors_the_transport_cannot_take_fail_no_link(connector):
+    """exchange's tensors are the caller's: a strided `out` gets the output
+    copied in; one of another shape or dtype raises ValueError once the output
+    is taken; hidden states the step does not send raise ValueError with
+    nothing sent. None is a link failure: no failover, the step goes on."""
     from test_connectors import free_port
 
     port = free_port()
@@ -348,6 +349,15 @@ def test_an_output_buffer_the_transport_cannot_fill_fails_no_link(connector):
         out = torch.empty_like(h)
         link.exchange(2, h, out)  # the link stayed in step
         assert torch.equal(out, h * 2 + 2)
+        link.end_step()
+        # Hidden states the step does not send (rows, dtype) are refused with
+        # nothing sent; the step can go on with the right ones.
+        link.begin_step(StepPlan(num_tokens=(4,)))
+        for bad in (torch.randn(3, HIDDEN), h.double()):
+            with pytest.raises(ValueError, match="hidden states of layer 0 ubatch 0"):
+                link.exchange(0, bad, torch.empty_like(bad))
+        for layer in layers:
+            assert torch.equal(link.exchange(layer, h, torch.empty_like(h)), h * 2 + layer)
         link.end_step()
         assert link.failovers == 0 and link.pool.members[0].failed_over == 0
         link.begin_step(StepPlan(num_tokens=(4,)))

@@ -51,7 +51,7 @@ from vllm.afd.observability.stats import LinkStats, now
 from vllm.afd.transport.config import LinkConfig
 from vllm.afd.transport.device import DeviceContext
 from vllm.afd.transport.errors import AFDLinkDown
-from vllm.afd.transport.wire import Routing, StepHeader
+from vllm.afd.transport.wire import ProtocolError, Routing, StepHeader
 
 logger = logging.getLogger(__name__)
 
@@ -354,6 +354,13 @@ class AttentionLink:
         try:
             member.send_hidden(layer_idx, u, hidden_states, routing)
         except Exception as e:
+            if (isinstance(e, ValueError) and not isinstance(e, ProtocolError)
+                    and not self._sendable(hidden_states, u)):
+                # The caller's hidden states, refused before anything was sent:
+                # not the link's fault, so no failover (each member would
+                # refuse them alike, and all would be dropped).
+                del self._pending[u]
+                raise
             failed_at = now()
             self._fail_over(member, e, where)
         t1 = now()
@@ -419,6 +426,11 @@ class AttentionLink:
                     f"{list(staged.shape)} {staged.dtype} (the link stays in step)")
             out.copy_(staged)  # a strided `out`: the values land where it says
         return out
+
+    def _sendable(self, hidden_states: torch.Tensor, u: int) -> bool:
+        """Whether hidden_states are what the step's micro-batch u sends."""
+        return (hidden_states.dtype == self.dtype and list(hidden_states.shape)
+                == [self.plan.num_tokens[u], self.hidden_size])
 
     def _fits(self, out: torch.Tensor, hidden_states: torch.Tensor) -> bool:
         """Whether the transport can write layer outputs straight into `out`."""
