@@ -233,7 +233,8 @@ def main(argv=None) -> int:
             return f"{p['median_us']:6.1f} / {p['p90_us']:6.1f} / {p['mean_us']:6.1f}"
 
         print(f"  B={tokens:<3} {through:8} {regime:4} ({mb:2d} MB)  beyond compute "
-              f"{cell('beyond_compute')}   to the mlp {cell('to_the_mlp')}   after it {cell('after_the_mlp')}"
+              f"{cell('beyond_compute')}   to the mlp {cell('to_the_mlp')}   "
+              f"after it {cell('after_the_mlp')}"
               f"   (mlp median {case['mlp']['median_us']:.0f}; a step's first call "
               f"{case['first_call_of_a_step_beyond_compute']['median_us']:.0f})", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
