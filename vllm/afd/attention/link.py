@@ -131,6 +131,7 @@ class AttentionLink:
         self._lock = threading.Lock()
         self._state_changed = threading.Condition(self._lock)
         self._publish_lock = threading.Lock()
+        self._publish_due = False  # a periodic publish left to end_step
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -197,7 +198,7 @@ class AttentionLink:
             while not self._closed.is_set():
                 if self.config.ffn_pool_file:
                     self.pool.sync()
-                self._publish()
+                self._publish_tick()
                 self._wake.wait(PUBLISH_INTERVAL_S)
                 self._wake.clear()
         self._publish()
@@ -498,6 +499,12 @@ class AttentionLink:
         finish every exchange (the model failed in between) leaves the FFN
         mid-step: that member's connection is dropped (the FFN is told) and
         re-made."""
+        self._end_step(failed)
+        if self._publish_due:  # the periodic publish fell inside the step (_publish_tick)
+            self._publish_due = False
+            self._publish()
+
+    def _end_step(self, failed: bool) -> None:
         plan, self.plan = self.plan, None
         member, self._member = self._member, None
         self._pending = {}
@@ -555,9 +562,21 @@ class AttentionLink:
                 "ubatches": self.ubatch_rule.document() if self.ubatch_rule else None}
 
     def _publish(self) -> None:
+        if link_status.status_dir() is None:
+            return  # nobody reads it (no API server process): not even built
         # Serialized, so an older document never replaces a newer one.
         with self._publish_lock:
             link_status.publish(f"link-a{self.rank}", self.document())
+
+    def _publish_tick(self) -> None:
+        """The periodic publish (the link's thread, every PUBLISH_INTERVAL_S).
+        Inside a step it waits for end_step: on the attention's core it would
+        preempt the model thread's spin for the FFN's answer and hold the GIL
+        it needs back (the document, its JSON and the file: ~0.1-1 ms)."""
+        if self.plan is not None:
+            self._publish_due = True
+        else:
+            self._publish()
 
     def close(self) -> None:
         """Say goodbye to the FFN servers (they then wait for the next attention

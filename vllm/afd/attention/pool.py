@@ -111,9 +111,10 @@ class PoolMember:
                         backoff = min(backoff * 2, RECONNECT_BACKOFF_S[1])
                         continue
                     backoff = RECONNECT_BACKOFF_S[0]
-                else:
-                    self._check_idle()
-                pool.publish()
+                    pool.publish()  # ready
+                elif self._check_idle():
+                    pool.publish()  # dropped
+                # Counters go out with the link's own periodic publish.
                 self._wake.wait(CHECK_INTERVAL_S)
                 self._wake.clear()
             with pool.lock:
@@ -188,22 +189,23 @@ class PoolMember:
         lead = connectors.pop(first.ffn_group[0])
         return lead, list(connectors.values())
 
-    def _check_idle(self) -> None:
+    def _check_idle(self) -> bool:
         """Between steps nobody reads this member's link: notice an FFN that
         went away (said goodbye on SIGTERM, or died), so /health says so and no
-        step is sent to it."""
+        step is sent to it. True when it did (the member dropped)."""
         pool = self.pool
         with pool.lock:
             if pool.in_step(self):
-                return  # a step reads the link now and notices by itself
+                return False  # a step reads the link now and notices by itself
             gone = [c for c in self.connectors() if c.peer_closed()]
             if not gone:
-                return
+                return False
             error = f"{gone[0].peer_name(0)} at {gone[0].address} closed the connection"
             self.errors["connection"] = self.errors.get("connection", 0) + 1
             self.set_state(link_status.DOWN, error=error)
             self.drop()
         logger.warning("AFD attention rank %d: %s; reconnecting", pool.rank, error)
+        return True
 
     def interrupt(self) -> None:
         for c in list(self._connecting):
