@@ -317,7 +317,10 @@ def test_calibration_times_vllms_own_moe_kernel():
     rates = {float(k): v for k, v in rates.items()}
     assert sorted(rates) == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
     assert all(r > 1e8 for r in rates.values())
-    assert rates[16.0] > 2 * rates[1.0]
+    # By how much depends on the host: 2.1-3x by 16 rows with AVX-512, on an AVX2-only
+    # host the kernel's compute caps it at 1.9-3x from 4-8 rows on (its other core busy
+    # or not); a rate that did not grow with the rows (one read per row) stays under 1.5.
+    assert max(r for rows, r in rates.items() if rows >= 4) > 1.5 * rates[1.0]
 
 
 def test_profile_and_bench_of_one_model_name_but_another_isa_do_not_compare():
