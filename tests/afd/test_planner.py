@@ -323,6 +323,34 @@ def test_calibration_times_vllms_own_moe_kernel():
     assert max(r for rows, r in rates.items() if rows >= 4) > 1.5 * rates[1.0]
 
 
+CALIBRATE_DENSE = """
+import json
+from vllm import _custom_ops
+from vllm.afd.planner import calibrate
+ops = calibrate.vllm_dense_gemm()
+rates = calibrate.dense_flops(1, ops) if ops is not None else None
+def refuse(*args):
+    raise RuntimeError("could not create a primitive descriptor for the matmul primitive")
+_custom_ops.create_onednn_mm = refuse
+print(json.dumps({"onednn": ops is not None, "rates": rates,
+                  "refused": calibrate.vllm_dense_gemm() is None}))
+"""
+
+
+def test_calibration_takes_torch_linear_where_onednn_cannot_run_bf16():
+    """vLLM's CPU linear layers fall back to torch linear where oneDNN cannot
+    build a bf16 matmul (AVX2-only CPUs: `could not create a primitive
+    descriptor`); calibrate must do the same, not die. On such a host the first
+    half fails without the rule; the second plays such a oneDNN everywhere."""
+    out = subprocess.run([sys.executable, "-c", CALIBRATE_DENSE], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if got["onednn"]:
+        assert all(r > 1e8 for r in got["rates"].values())
+    assert got["refused"]
+
+
 def test_profile_and_bench_of_one_model_name_but_another_isa_do_not_compare():
     """"AMD EPYC" named a VM with AVX-512 on 2026-12-02 and one without on
     2026-12-03 (vLLM's bf16 ~6x slower): comparing across them means nothing."""

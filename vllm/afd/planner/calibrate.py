@@ -156,12 +156,24 @@ def _vllm_cpu_kernels_loaded(what: str) -> bool:
 
 def vllm_dense_gemm():
     """vLLM's `_custom_ops` where its CPU linear layers dispatch to oneDNN
-    (dispatch_cpu_unquantized_gemm), else None."""
+    (dispatch_cpu_unquantized_gemm), else None. Like that dispatch, a oneDNN
+    that cannot build a bf16 matmul here (an AVX2-only CPU) means torch's
+    linear, which is what vLLM's layers then run."""
     if not _vllm_cpu_kernels_loaded("oneDNN GEMM"):
         return None
     from vllm import _custom_ops as ops
 
-    return ops if getattr(ops, "_supports_onednn", False) else None
+    if not getattr(ops, "_supports_onednn", False):
+        return None
+    import torch
+
+    try:
+        ops.create_onednn_mm(torch.zeros(64, 64, dtype=torch.bfloat16).t(), 32)
+    except RuntimeError as e:
+        logger.info("vLLM's oneDNN GEMM cannot run bf16 here (%s): torch linear stands in",
+                    str(e).split(". ")[0])
+        return None
+    return ops
 
 
 def dense_flops(threads: int, ops) -> dict[int, float]:
