@@ -230,8 +230,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--idle-s", type=float, default=2.0)
     ap.add_argument("--extra", default='{"spin_us": 5000}',
-                    help="connector_extra_config (JSON) for shm (default: %(default)s, the "
-                         "setting for cores of their own)")
+                    help="connector_extra_config (JSON) for shm, and its spin_us for tcp "
+                         "(default: %(default)s, the setting for cores of their own)")
     ap.add_argument("--out", type=Path,
                     default=Path(__file__).parent / "results" / "link_latency.json")
     args = ap.parse_args(argv)
@@ -248,8 +248,11 @@ def main(argv=None) -> int:
                      "cores": {"attention": ATTENTION_CORE, "ffn": FFN_CORE}},
         "connectors": {}}
     for name in args.connectors.split(","):
-        extra = json.loads(args.extra) if name == "shm" else {}
+        extra = json.loads(args.extra)
+        if name != "shm":  # tcp takes the spin only (its socket waits spin)
+            extra = {k: v for k, v in extra.items() if k == "spin_us"}
         res = results["connectors"][name] = measure(name, extra, args.iters, args.idle_s)
+        res["connector_extra_config"] = extra
         print(f"{name}: round trip (us) by payload each way; idle CPU "
               f"{res['idle']['idle_cpu_percent']:.1f} % of a core over "
               f"{res['idle']['idle_wall_s']:.1f} s")

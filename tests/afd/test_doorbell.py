@@ -144,11 +144,9 @@ def test_a_peer_gone_mid_wait_is_noticed_after_the_spin():
     ffn.close()
 
 
-def test_cpu_use_while_waiting_is_bounded():
-    """An idle wait (no deadline) spins at most IDLE_SPIN_US, then sleeps; a
-    wait for an answer spins at most spin_us. Process CPU time over the wait
-    shows it (bounds with room for the test's own threads)."""
-    ffn, attn = pair(spin_us=50_000)  # 50 ms
+def wait_cpu_times(ffn, attn) -> tuple[float, float]:
+    """Process CPU seconds over an idle wait (1 s for the next step, no
+    deadline) and over a wait for an answer that comes 0.5 s late."""
     idle = Background(ffn.recv_step, 0)
     time.sleep(0.05)
     cpu0 = time.process_time()
@@ -156,26 +154,36 @@ def test_cpu_use_while_waiting_is_bounded():
     idle_cpu = time.process_time() - cpu0
     attn.send_step(StepHeader(step_id=1, num_tokens=[1]))
     assert idle.join_result().step_id == 1
-    assert idle_cpu < 0.05, f"an idle link burnt {idle_cpu:.3f}s of CPU in 1 s"
 
     attn.send_hidden(0, 0, torch.ones(1, HIDDEN))
     ffn.recv_hidden(0, 0, 0)
     cpu0 = time.process_time()
     answer = threading.Timer(0.5, lambda: ffn.send_output(0, 0, 0, torch.ones(1, HIDDEN)))
     answer.start()
-    attn.recv_output(0, 0)  # 0.5 s late: spins 50 ms at most, then sleeps
+    assert torch.equal(attn.recv_output(0, 0), torch.ones(1, HIDDEN))
     waited_cpu = time.process_time() - cpu0
     answer.join()
+    return idle_cpu, waited_cpu
+
+
+def test_cpu_use_while_waiting_is_bounded():
+    """An idle wait (no deadline) spins at most IDLE_SPIN_US, then sleeps; a
+    wait for an answer spins at most spin_us. Process CPU time over the wait
+    shows it (bounds with room for the test's own threads)."""
+    ffn, attn = pair(spin_us=50_000)  # 50 ms
+    idle_cpu, waited_cpu = wait_cpu_times(ffn, attn)  # the answer 0.5 s late
     attn.close()
     ffn.close()
+    assert idle_cpu < 0.05, f"an idle link burnt {idle_cpu:.3f}s of CPU in 1 s"
     assert waited_cpu < 0.05 + 0.1, f"a 0.5 s wait burnt {waited_cpu:.3f}s of CPU"
 
 
+@pytest.mark.parametrize("connector", ["shm", "tcp"])  # tcp: test_tcp_spin.py
 @pytest.mark.parametrize("bad", [-1, 2_000_000, "5", True, None])
-def test_spin_us_must_be_microseconds(bad):
+def test_spin_us_must_be_microseconds(bad, connector):
     with pytest.raises(ValueError, match=r"connector_extra_config\['spin_us'\]: invalid "
                        r"value .*expected microseconds in 0-1000000"):
-        cfg = AFDConfig(role="ffn", connector="shm", port=free_port(),
+        cfg = AFDConfig(role="ffn", connector=connector, port=free_port(),
                         connector_extra_config={"spin_us": bad})
         create_connector(cfg, hidden_size=HIDDEN, dtype=torch.float32, max_tokens=16)
 

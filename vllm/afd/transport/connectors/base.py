@@ -92,6 +92,18 @@ LOG_INTERVAL_S = 5.0
 FAREWELL_TIMEOUT_S = 1.0
 
 
+def spin_us_setting(config, default: float) -> float:
+    """connector_extra_config["spin_us"]: how long a waiting side spins before
+    it sleeps (shm: on the ring, ../doorbell.py; tcp: on the socket), checked."""
+    spin_us = config.connector_extra_config.get("spin_us", default)
+    if (isinstance(spin_us, bool) or not isinstance(spin_us, (int, float))
+            or not 0 <= spin_us <= 1_000_000):
+        raise ValueError(f"AFDConfig.connector_extra_config['spin_us']: invalid value "
+                         f"{spin_us!r}; expected microseconds in 0-1000000 (0: never "
+                         f"spin, sleep until woken)")
+    return spin_us
+
+
 class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, TransportHooks):
     def __init__(self, config: Any, *, hidden_size: int, dtype: torch.dtype,
                  max_tokens: int, rank: int = 0,

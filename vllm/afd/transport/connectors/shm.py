@@ -69,7 +69,8 @@ import torch
 
 from vllm.afd.transport import doorbell
 from vllm.afd.transport.buffers import HostSlots
-from vllm.afd.transport.connectors.base import AFDConnectionError, LinkClosed
+from vllm.afd.transport.connectors.base import (AFDConnectionError, LinkClosed,
+                                                spin_us_setting)
 from vllm.afd.transport.connectors.shm_fast import FastFrames
 from vllm.afd.transport.connectors.tcp import TcpConnector
 from vllm.afd.transport.wire import LayerFrame, ProtocolError
@@ -171,6 +172,7 @@ class ShmConnector(FastFrames, TcpConnector):
     name = "shm"
     stages_through_host = True
     extra_config_keys = frozenset({"notify", "spin_us", "stream_copies"})
+    spins_on_socket = False  # its waits spin on the rings (../doorbell.py)
 
     def __init__(self, afd_config, **kwargs) -> None:
         super().__init__(afd_config, **kwargs)
@@ -185,14 +187,7 @@ class ShmConnector(FastFrames, TcpConnector):
             raise ValueError(f"AFDConfig.connector_extra_config['notify']: invalid value "
                              f"{notify!r}; valid choices: 'unix', 'tcp'")
         self._unix_notify = notify == "unix" and sys.platform.startswith("linux")
-        spin_us = self.afd_config.connector_extra_config.get("spin_us",
-                                                             doorbell.DEFAULT_SPIN_US)
-        if (isinstance(spin_us, bool) or not isinstance(spin_us, (int, float))
-                or not 0 <= spin_us <= 1_000_000):
-            raise ValueError(f"AFDConfig.connector_extra_config['spin_us']: invalid value "
-                             f"{spin_us!r}; expected microseconds in 0-1000000 (0: never "
-                             f"spin, sleep until woken)")
-        self.spin_us = spin_us
+        self.spin_us = spin_us_setting(self.afd_config, doorbell.DEFAULT_SPIN_US)
         stream_copies = self.afd_config.connector_extra_config.get("stream_copies", "auto")
         if stream_copies not in doorbell.COPY_POLICIES:
             raise ValueError(f"AFDConfig.connector_extra_config['stream_copies']: invalid "
