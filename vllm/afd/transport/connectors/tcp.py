@@ -172,7 +172,8 @@ class SocketLink:
         """Poll for the first bytes of view for up to spin_s; how many came."""
         sock, size, flags = self.sock, view.nbytes, socket.MSG_DONTWAIT
         # Timeout 0: a socket with a timeout polls for it before each recv, the
-        # flag notwithstanding. _recv_exact and send set their own again.
+        # flag notwithstanding. _recv_exact and send set their own again; one
+        # thread drives a link at a time (base.py), so none sends meanwhile.
         sock.settimeout(0.0)
         end = time.perf_counter() + self.spin_s
         while True:
