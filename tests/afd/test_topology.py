@@ -516,15 +516,18 @@ def _joint_step(loop, peers: dict, step, tokens, layers=(0, 1, 2)):
             assert torch.equal(conn.recv_output(layer, 0), h * 2 + layer), (rank, step, layer)
 
 
-@pytest.mark.parametrize("connector", ["shm", "tcp"])
-def test_ffn_peers_join_and_leave_their_own_sessions(connector):
+@pytest.mark.parametrize("connector, spin_us", [("shm", None), ("tcp", None), ("tcp", 20000)],
+                         ids=["shm", "tcp", "tcp-spin"])
+def test_ffn_peers_join_and_leave_their_own_sessions(connector, spin_us):
     """Attention rank 0 is served alone before rank 1 exists; rank 1 joins
     later and both are batched; rank 1's connection is cut mid-step without a
     goodbye: only its session ends, rank 0's step finishes with the right
     outputs (not held for the batcher's window); rank 1 reconnects and both
-    are batched again."""
+    are batched again. tcp-spin: the same with every side's waits spinning
+    on their sockets (tcp.py), the cut peer's included."""
     mlp = _Mlp()
-    loop, attention = _session_loop(connector, mlp)
+    extra = {} if spin_us is None else {"connector_extra_config": {"spin_us": spin_us}}
+    loop, attention = _session_loop(connector, mlp, **extra)
     tokens = {0: 3, 1: 5}
     conns = []
     try:
@@ -575,6 +578,8 @@ def test_ffn_peers_join_and_leave_their_own_sessions(connector):
             _joint_step(loop, {0: p0, 1: p1}, step, tokens)
         assert mlp.calls == [(layer, 8) for _ in (7, 8) for layer in (0, 1, 2)]
         assert loop.batcher.largest == 8
+        if spin_us:  # the answers of the batched steps were caught spinning
+            assert p0._links[0].spin_hits > 0 and p1._links[0].spin_hits > 0
         doc = loop.document()
         assert loop.sessions == 3 and doc["reconnects"] == 2, doc
         assert doc["handshake_failures"] == 0 and doc["bytes_received"] > 0, doc
