@@ -52,7 +52,7 @@ def test_spinning_waits_catch_the_answers_and_keep_them_exact(spin_us):
     caught = attn._links[0].spin_hits, ffn._links[0].spin_hits
     ffn.close()
     if spin_us:
-        # 14 answers and 14 hidden frames within a step, each sent right away
+        # 15 answers and 15 hidden frames within steps, each sent right away
         assert caught[0] >= 7 and caught[1] >= 7, caught
     else:
         assert caught == (0, 0)

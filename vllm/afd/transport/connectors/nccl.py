@@ -116,8 +116,8 @@ def _bounded(fn, timeout_s: float, what: str) -> Any:
 class NcclConnector(TcpConnector):
     name = "nccl"
     stages_through_host = False  # payloads stay on the device: both peers on CUDA
-    extra_config_keys = frozenset()  # the header socket's spin: never run on a GPU yet
-    spins_on_socket = False
+    # No spin_us (refused, so its header socket never spins): never run on a GPU yet.
+    extra_config_keys = frozenset()
 
     def __init__(self, afd_config, *, communicator_factory: CommunicatorFactory | None = None,
                  **kwargs) -> None:
