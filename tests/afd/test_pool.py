@@ -25,6 +25,7 @@ from roles import MAX_UBATCHES, AttentionRole, FFNRole, sample_batch  # noqa: E4
 from servers import free_port  # noqa: E402
 
 from vllm.afd.attention import status as link_status  # noqa: E402
+from vllm.afd.attention.pool import Pool  # noqa: E402
 from vllm.afd.transport.config import LinkConfig  # noqa: E402
 from vllm.afd.transport.errors import AFDLinkDown  # noqa: E402
 
@@ -187,6 +188,35 @@ def test_members_join_from_the_pool_file_and_share_the_steps(ffns, tmp_path):
         assert torch.equal(role.step(tokens, ubatches), reference)
     finally:
         role.close()
+
+
+def test_a_pool_file_being_rewritten_closes_nobody(tmp_path):
+    """write_text() and most editors truncate the file, then write it: a read in
+    between lists nobody, and the write can keep the truncate's mtime (the file
+    clock ticks every few ms). Neither may close a member or hide the new list.
+    (Members are not started: this is the file's bookkeeping only.)"""
+    import os
+
+    pool_file = tmp_path / "pool.txt"
+    pool_file.write_text("127.0.0.1:7701\n127.0.0.1:7702\n")
+    config = LinkConfig(role="attention", connector="shm", ffn_pool_file=str(pool_file))
+    pool = Pool(config, rank=0, device=None, connector_kwargs=dict, lock=threading.Lock(),
+                on_state=lambda: None, publish=lambda: None, in_step=lambda m: False)
+
+    def listed() -> list[str]:
+        return [m.endpoint for m in pool.members if not m.removed]
+
+    assert listed() == ["127.0.0.1:7701", "127.0.0.1:7702"]
+    with open(pool_file, "w"):  # truncated, not yet written
+        pass
+    pool.sync(start=False)
+    assert listed() == ["127.0.0.1:7701", "127.0.0.1:7702"]
+    truncated = os.stat(pool_file).st_mtime_ns
+    pool_file.write_text("127.0.0.1:7702\n127.0.0.1:7703\n")
+    os.utime(pool_file, ns=(truncated, truncated))  # the same clock tick
+    pool.sync(start=False)
+    assert listed() == ["127.0.0.1:7702", "127.0.0.1:7703"]
+    assert [m.endpoint for m in pool.members if m.removed] == ["127.0.0.1:7701"]
 
 
 def test_pool_configuration_errors():

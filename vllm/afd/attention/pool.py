@@ -275,7 +275,7 @@ class Pool:
         self.closed = threading.Event()
         self.members: list[PoolMember] = []
         self._last: PoolMember | None = None  # the member of the last step
-        self._file_mtime: int | None = None
+        self._file_version: tuple | None = None  # (mtime, size, inode) last read
         self._file_endpoints: list[str] = []
         self._file_error = ""
         self.sync(start=False)
@@ -309,6 +309,14 @@ class Pool:
                 self._log_file_error(f"{path}:{number}: {e}; line ignored")
                 continue
             endpoints.append(line)
+        if not endpoints and self._file_endpoints and not self.config.ffn_pool:
+            # Most editors and write_text() truncate the file before they write
+            # it: read in between, it lists nobody, and taking that literally
+            # would close every member (an outage) for a file being rewritten.
+            # A pool of nobody is never wanted; stopping the server is the way.
+            self._log_file_error(f"{path} lists no FFN server; keeping the last list "
+                                 f"({', '.join(self._file_endpoints)})")
+            return list(self._file_endpoints)
         self._file_endpoints = endpoints
         return endpoints
 
@@ -324,13 +332,17 @@ class Pool:
             self.members = [m for m in self.members if not m.removed or m._thread is None
                             or m._thread.is_alive()]
         if self.config.ffn_pool_file and self.members:
+            # Before the read: a write after it is seen next time. The size and
+            # inode too: a truncate and the write after it can share one mtime
+            # (the file clock ticks every few ms), and a rename keeps the old.
             try:
-                mtime = os.stat(self.config.ffn_pool_file).st_mtime_ns
+                st = os.stat(self.config.ffn_pool_file)
+                version = (st.st_mtime_ns, st.st_size, st.st_ino)
             except OSError:
-                mtime = None
-            if mtime == self._file_mtime:
+                version = None
+            if version == self._file_version:
                 return
-            self._file_mtime = mtime
+            self._file_version = version
         wanted = self.endpoints()
         added = []
         with self.lock:
