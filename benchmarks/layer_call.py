@@ -59,14 +59,15 @@ from link_latency import ATTENTION_CORE, FFN_CORE, free_port, pin
 HIDDEN, LAYERS = 2048, 8
 
 
-def link_config(port: int):
+def link_config(port: int, num_ubatches: int = 1):
     from vllm.afd.transport.config import LinkConfig
 
-    return LinkConfig(connector="shm", port=port, timeout_s=60, num_ubatches=1,
+    return LinkConfig(connector="shm", port=port, timeout_s=60, num_ubatches=num_ubatches,
                       connector_extra_config={"spin_us": 50000})
 
 
-def ffn_process(port: int, max_tokens: int, stream_mb: int, ready, commands) -> None:
+def ffn_process(port: int, max_tokens: int, stream_mb: int, ready, commands,
+                num_ubatches: int = 1) -> None:
     """The FFN end: a real FFNLoop serving LAYERS layers; its mlp's start and
     end times are sent back when asked."""
     pin(FFN_CORE)
@@ -87,7 +88,8 @@ def ffn_process(port: int, max_tokens: int, stream_mb: int, ready, commands) -> 
         stamps.append((t0, time.perf_counter()))
         return out
 
-    loop = FFNLoop(link_config(port).replace(role="ffn"), layers=list(range(LAYERS)), compute=mlp,
+    loop = FFNLoop(link_config(port, num_ubatches).replace(role="ffn"),
+                   layers=list(range(LAYERS)), compute=mlp,
                    hidden_size=HIDDEN, dtype=torch.bfloat16, max_tokens=max_tokens,
                    placement=FFNPlacement(rank=0, group=[0]), warmup_sizes=[])
     loop.start()
@@ -190,6 +192,68 @@ def run(tokens: int, stream_mb: int, steps: int, through: str) -> dict:
     }
 
 
+def run_ubatched(tokens: int, m: int, steps: int) -> dict:
+    """Steps of m micro-batches (tokens split as evenly as the runner splits
+    them), ping-ponged as the attention runner does (pingpong.py), through the
+    link's exchange; warm, and nothing computed but the FFN's h * 1.0. Per
+    layer call: the step's wall time beyond the FFN's mlps, over the step's
+    m x LAYERS calls: what the link, the turn hand-overs and the FFN loop add
+    to a micro-batched step where neither side has work to overlap them with."""
+    import torch
+
+    from vllm.afd.attention.link import AttentionLink, StepPlan
+    from vllm.afd.attention.pingpong import run_micro_batches
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    ready, commands = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=ffn_process, args=(port, tokens, 0, ready, commands, m),
+                       daemon=True)
+    proc.start()
+    split = [tokens // m + (u < tokens % m) for u in range(m)]
+    try:
+        if ready.get(timeout=120) is not True:
+            raise RuntimeError("the FFN loop did not become ready")
+        link = AttentionLink(link_config(port, m), hidden_size=HIDDEN, dtype=torch.bfloat16,
+                             max_tokens=tokens)
+        for layer in range(LAYERS):
+            link.add_layer(layer)
+        link.start()
+        hidden = [torch.randn(n, HIDDEN).to(torch.bfloat16) for n in split]
+        outs = [torch.empty_like(h) for h in hidden]
+
+        def ubatch(u: int) -> None:
+            for layer in range(LAYERS):
+                link.exchange(layer, hidden[u], outs[u])
+
+        walls = []
+        with torch.inference_mode():
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                link.begin_step(StepPlan(num_tokens=tuple(split)))
+                run_micro_batches(split, ubatch, device=link.device)
+                link.end_step()
+                walls.append(time.perf_counter() - t0)
+        for h, out in zip(hidden, outs):
+            torch.testing.assert_close(out, h, rtol=0, atol=0)
+        time.sleep(0.2)  # the FFN counts its last step after its last reply
+        commands.put("stamps")
+        ffn = ready.get(timeout=60)
+        link.close()
+    finally:
+        commands.put("stop")
+        proc.join(30)
+    calls = m * LAYERS
+    mlp = [m1 - m0 for m0, m1 in ffn["stamps"]]
+    if len(mlp) != calls * steps:
+        raise RuntimeError(f"{calls * steps} layer calls, {len(mlp)} mlp calls")
+    per_call = [(wall - sum(mlp[i * calls:(i + 1) * calls])) / calls * 1e6
+                for i, wall in enumerate(walls)][steps // 10:]
+    return {"tokens": tokens, "ubatches": split, "steps": steps,
+            "beyond_compute_per_call": percentiles(per_call),
+            "step": percentiles([w * 1e6 for w in walls[steps // 10:]])}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,8", help="tokens per layer call (default %(default)s)")
@@ -199,6 +263,10 @@ def main(argv=None) -> int:
     ap.add_argument("--through", default="exchange,model",
                     help="what the attention side calls: the link's exchange, the model's "
                          "RemoteFFN, or both (default %(default)s)")
+    ap.add_argument("--ubatches", default="2,3",
+                    help="micro-batched steps (warm, through the exchange) of these counts, "
+                         "B = --tokens' largest, at least the count ('' for none; default "
+                         "%(default)s)")
     ap.add_argument("--out", type=Path,
                     default=Path(__file__).parent / "results" / "layer_call.json")
     args = ap.parse_args(argv)
@@ -237,6 +305,19 @@ def main(argv=None) -> int:
               f"after it {cell('after_the_mlp')}"
               f"   (mlp median {case['mlp']['median_us']:.0f}; a step's first call "
               f"{case['first_call_of_a_step_beyond_compute']['median_us']:.0f})", flush=True)
+    ubatches = [int(m) for m in args.ubatches.split(",") if m]
+    if ubatches:
+        results["ubatched"] = []
+        print("micro-batched steps, warm, per layer call, us (median / p90 / mean): the step "
+              "beyond the FFN's mlps")
+    for m in ubatches:
+        tokens = max(m, *(int(t) for t in args.tokens.split(",")))
+        case = run_ubatched(tokens, m, args.steps)
+        results["ubatched"].append(case)
+        p = case["beyond_compute_per_call"]
+        print(f"  B={tokens:<3} m={m} {case['ubatches']}  beyond compute {p['median_us']:6.1f} / "
+              f"{p['p90_us']:6.1f} / {p['mean_us']:6.1f}   (step median "
+              f"{case['step']['median_us']:.0f})", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     print(f"[bench-layer-call] wrote {args.out}")

@@ -3,7 +3,8 @@
 """`make bench-layer-call` (benchmarks/layer_call.py) runs end to end on a short
 setting: both regimes, through the link's exchange and through the model's
 RemoteFFN modules, every layer call matched with its mlp call, the step's
-first calls apart. Its numbers are the benchmark's to report, not this test's."""
+first calls apart; and steps of 2 and 3 micro-batches, ping-ponged. Its numbers
+are the benchmark's to report, not this test's."""
 
 import json
 import os
@@ -35,6 +36,14 @@ def test_the_layer_call_benchmark_matches_every_call_with_its_mlp(tmp_path):
             p = case[key]
             assert p["median_us"] <= p["p90_us"], (key, p)
         assert case["to_the_mlp"]["median_us"] > 0 and case["after_the_mlp"]["median_us"] > 0
+    # Micro-batched steps (--ubatches, default 2 and 3): B = the largest --tokens,
+    # at least m, split as the runner splits it; 11 steps after the warm-up one.
+    assert [(c["tokens"], c["ubatches"]) for c in result["ubatched"]] == [
+        (2, [1, 1]), (3, [1, 1, 1])]
+    for case in result["ubatched"]:
+        p = case["beyond_compute_per_call"]
+        assert 0 < p["median_us"] <= p["p90_us"], case
+        assert case["step"]["median_us"] > p["median_us"], case  # a step has 16-24 calls
     for through in ("exchange", "model"):
         assert f"B=1   {through:8} warm" in proc.stdout, proc.stdout
         assert f"B=1   {through:8} cold" in proc.stdout, proc.stdout

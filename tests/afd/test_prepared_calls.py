@@ -297,18 +297,36 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps():
                          ("vllm_afd_spin_backoffs_total", "attention"): after[1],
                          ("vllm_afd_spin_preemptions_total", "ffn"): after[2],
                          ("vllm_afd_spin_backoffs_total", "ffn"): after[3]}
-        # Two micro-batches: the general path (ping-pong needs both in flight).
-        link.begin_step(StepPlan(num_tokens=(2, 3)))
-        assert link._fast is None
+        # Two micro-batches, the turns of a real ping-pong (both in flight at
+        # once): prepared calls too, on both sides.
+        from vllm.afd.attention.pingpong import run_micro_batches
+
         hidden = [torch.randn(2, HIDDEN), torch.randn(3, HIDDEN)]
-        for layer in layers:
-            for u, h in enumerate(hidden):
-                out = link.exchange(layer, h, torch.empty_like(h), ubatch=u)
-                torch.testing.assert_close(out, h @ weight + layer, rtol=0, atol=0)
-        link.end_step()
-        calls, C, _ = lead._prepared[0]
-        assert C.lane_call_times(calls)[2] == 0  # prepared, not used
-        assert link.stats.steps == 5
+        fast_before = (lead.fast_calls, session.fast_calls)
+        for _ in range(2):
+            link.begin_step(StepPlan(num_tokens=(2, 3)))
+            assert link._fast is None and link._fast_ubatches is lead
+
+            def run(u, hidden=hidden):
+                h = hidden[u]
+                outs = []
+                for layer in layers:
+                    outs.append(link.exchange(layer, h, torch.empty_like(h)))
+                return outs
+
+            for u, outs in enumerate(run_micro_batches([2, 3], run, device=link.device)):
+                for layer, out in zip(layers, outs):
+                    torch.testing.assert_close(out, hidden[u] @ weight + layer, rtol=0,
+                                               atol=0)
+            link.end_step()
+            calls, C, _ = lead._prepared[0]
+            assert C.lane_call_times(calls)[2] == 2 * len(layers)  # every call prepared
+        assert lead.fast_calls - fast_before[0] == 2 * 2 * 2 * len(layers)
+        while loop.stats().steps < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert session.fast_calls - fast_before[1] >= 2 * 2 * (2 * len(layers) - 1)
+        assert link.stats.steps == 6 and link.stats.layer_calls == 4 * 3 + 2 * 2 * 3
+        assert link.round_trip.count == link.stats.layer_calls
     finally:
         link.close()
         loop.stop()

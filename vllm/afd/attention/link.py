@@ -124,9 +124,10 @@ class AttentionLink:
         self._step_start = 0.0
         self._step_calls_left = 0
         # The lead connector whose prepared calls (connectors/shm_fast.py) carry
-        # this step, armed by begin_step where they apply: one micro-batch, a
-        # lone lead, shm. _fast_lead: the same, until end_step reads its times.
-        self._fast = self._fast_lead = None
+        # this step, armed by begin_step where they apply: a lone lead, shm.
+        # _fast: a step of one micro-batch; _fast_ubatches: of more (ping-pong).
+        # _fast_lead: either, until end_step reads its times.
+        self._fast = self._fast_ubatches = self._fast_lead = None
         self._round_trips: list[float] = []  # into self.round_trip at end_step
         self._lock = threading.Lock()
         self._state_changed = threading.Condition(self._lock)
@@ -291,14 +292,17 @@ class AttentionLink:
         self._arm_fast(member, plan)
 
     def _arm_fast(self, member, plan: StepPlan) -> None:
-        """A step of one micro-batch with a lone lead takes its connector's
-        prepared calls when it has them: exchange()'s general path costs more
-        than the link itself on a cold cache."""
-        self._fast = self._fast_lead = None
+        """A step with a lone lead takes its connector's prepared calls when it
+        has them: exchange()'s general path costs more than the link itself on
+        a cold cache (bench-link: 12 against 5 us a round trip, warm)."""
+        self._fast = self._fast_ubatches = self._fast_lead = None
         lead = member.lead if self._member is member else None
-        if (len(plan.num_tokens) == 1 and lead is not None and not member.followers
-                and lead.exchange_prepared()):
-            self._fast = self._fast_lead = lead
+        if lead is not None and not member.followers and lead.exchange_prepared():
+            if len(plan.num_tokens) == 1:
+                self._fast = lead
+            else:
+                self._fast_ubatches = lead
+            self._fast_lead = lead
 
     def exchange(self, layer_idx: int, hidden_states: torch.Tensor, out: torch.Tensor,
                  routing: Routing | None = None, ubatch: int | None = None) -> torch.Tensor:
@@ -346,6 +350,11 @@ class AttentionLink:
         member = self._member
         if member is None:  # lost earlier in this step (another micro-batch)
             raise AFDLinkDown(self.unavailable_reason())
+        fast = self._fast_ubatches
+        if fast is not None and routing is None:
+            done = self._exchange_prepared(fast, member, pp, u, layer_idx, hidden_states, out)
+            if done is not None:
+                return done
         where = f"layer {layer_idx} micro-batch {u}"
         # Kept until its output arrives: a failover sends it again (the caller
         # leaves the tensors unchanged until then, as zero-copy sends need).
@@ -369,6 +378,44 @@ class AttentionLink:
             pp.yield_turn(u)
         return self._finish_exchange(layer_idx, u, hidden_states, out, routing, member, t0,
                                      t1, failed_at)
+
+    def _exchange_prepared(self, fast, member, pp, u: int, layer_idx: int,
+                           hidden_states: torch.Tensor, out: torch.Tensor):
+        """A micro-batched step's layer call through the lead's prepared calls:
+        send, pass the turn, receive. None: nothing was sent (the general path
+        sends it). The call stays in _pending until its output is in, so a
+        failover while the other micro-batches hold the turn sends it again.
+        The send is counted as waiting, as the one micro-batch path's: end_step
+        moves the prepared sends' own time (take_exchange_send_s) to send_s."""
+        self._pending[u] = (layer_idx, hidden_states, None)
+        t0 = now()
+        if not fast.prepared_send(layer_idx, u, hidden_states, out):
+            self._fast_ubatches = None  # the rest of the step takes the general path
+            return None
+        stats = self.stats
+        stats.wait_s += now() - t0
+        if pp is not None:
+            pp.yield_turn(u)
+        t2 = now()
+        if self._member is member:
+            if fast.prepared_recv(layer_idx, u, out):
+                t3 = now()
+                del self._pending[u]
+                self._done[u] += 1
+                member.layer_calls += 1
+                stats.wait_s += t3 - t2
+                stats.layer_calls += 1
+                self._round_trips.append(t3 - t0)
+                self._step_calls_left -= 1
+                return out
+            # Queued for the general receive (its waits, errors, failover); the
+            # calls sent after it follow it there.
+            self._fast_ubatches = None
+            stats.wait_s += now() - t2
+        # else another micro-batch failed over meanwhile and sent this call
+        # again to the new member: the general receive takes it there.
+        return self._finish_exchange(layer_idx, u, hidden_states, out, None, member, t0, t0,
+                                     None)
 
     def _finish_exchange(self, layer_idx: int, u: int, hidden_states: torch.Tensor,
                          out: torch.Tensor, routing: Routing | None, member, t0: float,
@@ -513,7 +560,7 @@ class AttentionLink:
             sent = self._fast_lead.take_exchange_send_s()
             self.stats.send_s += sent
             self.stats.wait_s -= sent
-        self._fast = self._fast_lead = None
+        self._fast = self._fast_ubatches = self._fast_lead = None
         for elapsed in self._round_trips:
             self.round_trip.observe(elapsed)
         self._round_trips.clear()
