@@ -88,6 +88,28 @@ def test_exceptions_signals_and_sessions_as_in_a_fresh_process(tmp_path):
         assert proc.wait(30) == code and time.monotonic() - t0 < 30
 
 
+def test_signal_dispositions_as_in_a_fresh_process(tmp_path):
+    """A forked process handles signals as a fresh `python` does: above all it
+    ignores SIGPIPE, so a write to a socket whose peer died raises
+    BrokenPipeError instead of killing the process without a word (the
+    preloader's children had SIGPIPE at its default: a test server's worker
+    died so once, redialing an FFN the test had killed)."""
+    names = ("SIGPIPE", "SIGXFSZ", "SIGCHLD", "SIGTERM", "SIGHUP", "SIGINT")
+    code = ("import signal, socket\n"
+            f"print([str(signal.getsignal(getattr(signal, n))) for n in {names!r}])\n"
+            "a, b = socket.socketpair()\n"
+            "b.close()\n"
+            "try:\n"
+            "    a.sendall(b'x' * 65536)\n"
+            "    a.sendall(b'x' * 65536)\n"
+            "except BrokenPipeError:\n"
+            "    print('BrokenPipeError')\n")
+    forked, fresh = both([sys.executable, "-c", code], tmp_path)
+    assert forked.returncode == fresh.returncode == 0, (forked, fresh)  # not -SIGPIPE
+    assert forked.stdout == fresh.stdout, (forked, fresh)
+    assert fresh.stdout.splitlines()[-1] == "BrokenPipeError"
+
+
 def test_the_test_process_importing_vllm_changes_nothing(monkeypatch):
     """vLLM's import sets variables (TORCHINDUCTOR_*, LD_LIBRARY_PATH): once
     the test process has imported it too, it has them, and still forks."""

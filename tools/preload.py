@@ -100,8 +100,15 @@ def _run_child(request: dict, fds: list[int], own_fds: list[int],
     code, interrupted = 1, False
     try:
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+        # As a fresh interpreter starts: default dispositions, except that
+        # Python ignores SIGPIPE and SIGXFSZ (a write to a closed socket raises
+        # BrokenPipeError) and raises KeyboardInterrupt on SIGINT. With SIGPIPE
+        # at its default, a server's worker that wrote to a dead peer's socket
+        # (a pool member redialing a killed FFN) died without a word.
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(sig, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         if request["new_session"]:
             os.setsid()
