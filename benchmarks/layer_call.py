@@ -193,13 +193,15 @@ def run(tokens: int, stream_mb: int, steps: int, through: str) -> dict:
 
 
 def run_ubatched(tokens: int, m: int, steps: int) -> dict:
-    """Steps of m micro-batches (tokens split as evenly as the runner splits
-    them), ping-ponged as the attention runner does (pingpong.py), through the
+    """Steps of m micro-batches (tokens split as the runner splits them:
+    afd_vs_colocated.split_tokens), ping-ponged as the attention runner does (pingpong.py), through the
     link's exchange; warm, and nothing computed but the FFN's h * 1.0. Per
     layer call: the step's wall time beyond the FFN's mlps, over the step's
     m x LAYERS calls: what the link, the turn hand-overs and the FFN loop add
     to a micro-batched step where neither side has work to overlap them with."""
     import torch
+
+    from afd_vs_colocated import split_tokens
 
     from vllm.afd.attention.link import AttentionLink, StepPlan
     from vllm.afd.attention.pingpong import run_micro_batches
@@ -210,7 +212,7 @@ def run_ubatched(tokens: int, m: int, steps: int) -> dict:
     proc = ctx.Process(target=ffn_process, args=(port, tokens, 0, ready, commands, m),
                        daemon=True)
     proc.start()
-    split = [tokens // m + (u < tokens % m) for u in range(m)]
+    split = split_tokens(tokens, m)
     try:
         if ready.get(timeout=120) is not True:
             raise RuntimeError("the FFN loop did not become ready")
