@@ -756,25 +756,32 @@ def echo_ffn(ffn, num_layers: int) -> None:
                 ffn.send_output(0, layer, u, ffn.recv_hidden(0, layer, u))
 
 
-def floor_steps(attn, tokens: list[int], hidden: int, dtype, num_layers: int,
-                first_step: int, iters: int = 60, warm: int = 10) -> list[float]:
-    """Step times of sequential round trips: every layer, every micro-batch."""
+def floor_steps(attn, splits: dict[int, list[int]], hidden: int, dtype, num_layers: int,
+                iters: int = 60, warm: int = 10) -> dict[int, list[float]]:
+    """Step times of sequential round trips (the header, then every layer, every
+    micro-batch) per batch size, the sizes in turn: a slow phase of the host hits
+    them all alike (one size after another, a VM's slow minute once made B = 32's
+    floor 25 % above B = 64's)."""
     import torch
 
     from vllm.afd.transport.wire import StepHeader
 
-    hs = [torch.randn(n, hidden).to(dtype) for n in tokens]
-    outs = [torch.empty_like(h) for h in hs]  # as the model gives each layer its output
-    times = []
+    hs = {b: [torch.randn(n, hidden).to(dtype) for n in tokens]
+          for b, tokens in splits.items()}
+    outs = {b: [torch.empty_like(h) for h in x] for b, x in hs.items()}  # as the model gives
+    times: dict[int, list[float]] = {b: [] for b in splits}
+    step = 1
     for i in range(warm + iters):
-        t0 = time.perf_counter()
-        attn.send_step(StepHeader(step_id=first_step + i, num_tokens=tokens))
-        for layer in range(num_layers):
-            for u, h in enumerate(hs):
-                attn.send_hidden(layer, u, h)
-                attn.recv_output(layer, u, out=outs[u])
-        if i >= warm:
-            times.append(time.perf_counter() - t0)
+        for b, tokens in splits.items():
+            t0 = time.perf_counter()
+            attn.send_step(StepHeader(step_id=step, num_tokens=tokens))
+            step += 1
+            for layer in range(num_layers):
+                for u, h in enumerate(hs[b]):
+                    attn.send_hidden(layer, u, h)
+                    attn.recv_output(layer, u, out=outs[b][u])
+            if i >= warm:
+                times[b].append(time.perf_counter() - t0)
     return times
 
 
@@ -794,16 +801,14 @@ def floor_for_m(m: int, args: argparse.Namespace, hidden: int, num_layers: int) 
     echo.start()
     attn = create_connector(AFDConfig(role="attention", **config), hidden_size=hidden,
                             dtype=dtype, max_tokens=max(args.batch_sizes))
-    out, step = {}, 1
+    out = {}
     try:
         attn.connect()
-        for b in args.batch_sizes:
-            tokens = split_tokens(b, m)
-            times = floor_steps(attn, tokens, hidden, dtype, num_layers, step)
-            step += 1000
+        splits = {b: split_tokens(b, m) for b in args.batch_sizes}
+        for b, times in floor_steps(attn, splits, hidden, dtype, num_layers).items():
             floor_s = statistics.median(times)
-            out[str(b)] = {"ubatch_tokens": tokens, "floor_ms": floor_s * 1e3,
-                           "round_trip_us": floor_s / (num_layers * len(tokens)) * 1e6}
+            out[str(b)] = {"ubatch_tokens": splits[b], "floor_ms": floor_s * 1e3,
+                           "round_trip_us": floor_s / (num_layers * len(splits[b])) * 1e6}
     finally:
         attn.close()
         echo.join(10)

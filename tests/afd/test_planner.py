@@ -6,6 +6,7 @@ No engine runs here; the whole module takes a few seconds."""
 
 import dataclasses
 import json
+import os
 import random
 import re
 import subprocess
@@ -216,6 +217,47 @@ def test_link_fit_recovers_latency_and_bandwidth():
     trips = {b: 2 * 50e-6 + 2 * b / 4e9 for b in (4096, 65536, 262144)}
     latency, bandwidth = fit_link(trips)
     assert latency == pytest.approx(50e-6) and bandwidth == pytest.approx(4e9)
+
+
+def test_the_step_header_crosses_once_a_step(tmp_path):
+    """A step's header (its micro-batch sizes) is sent once before the first layer:
+    a profile's `step_header` (calibrate measures it on a cpu), else the link's
+    latency, is added to every AFD step once, whatever the layers and m."""
+    h200 = load_hardware("h200")
+    assert h200.link("scale_out").header_seconds() == h200.link("scale_out").latency
+    text = Path(h200.path).read_text().replace("[scale_out]\n", "[scale_out]\nstep_header = 0.004\n")
+    slow = tmp_path / "h200-slow-header.toml"
+    slow.write_text(text)
+    slow_hw = load_hardware(str(slow))
+    assert slow_hw.link("scale_out").header_seconds() == 0.004
+    model = load_model("deepseek-v3")
+    for m in (1, 3):
+        base = evaluate(model, h200, 4, 8, m, 128, 4096)
+        other = evaluate(model, slow_hw, 4, 8, m, 128, 4096)
+        assert other.tpot_s - base.tpot_s == pytest.approx(0.004 - 3e-6, rel=1e-6)
+    bench = json.loads(BENCH_JSON.read_text())
+    cpu = load_hardware(str(CPU_PROFILE))
+    link = cpu.link("same_host")
+    doubled = dataclasses.replace(cpu, links={**cpu.links, "same_host": dataclasses.replace(
+        link, step_header=2 * link.header_seconds())})
+    shape, settings = benchcheck.bench_model(bench), bench["settings"]
+    context = settings["prompt_tokens"] + settings["max_tokens_N"] // 2
+    a, b = (benchcheck.predict(shape, hw, 8, 2, context) for hw in (cpu, doubled))
+    for part in ("link", "step"):
+        assert b[part] - a[part] == pytest.approx(link.header_seconds(), rel=1e-6)
+
+
+def test_calibrate_measures_the_link_in_steps():
+    """calibrate's link: a real shm echo on two processes, timed in steps of a
+    header and LINK_LAYERS layer calls (the bench's transfer floor): a round trip
+    per payload size and the header's own time."""
+    from vllm.afd.planner import calibrate
+
+    cores = sorted(os.sched_getaffinity(0))
+    trips, header = calibrate.shm_round_trips([cores[0], cores[-1]], iters=24)
+    assert list(trips) == [t * calibrate.LINK_HIDDEN * 2 for t in calibrate.LINK_TOKENS]
+    assert 0 < header < 0.05 and all(0 < t < 0.05 for t in trips.values())
+    assert trips[max(trips)] > trips[min(trips)]  # 512 KiB each way against 4 KiB
 
 
 def test_a_measured_moe_kernel_prices_the_routed_experts_and_only_them():

@@ -10,7 +10,8 @@ both cores (the profile's [colocated] section). What is compared, per decode ste
 - attention: the bench's `attn` + `attn-out` (all layers' attention, the LM head
   and the engine's per-step work) against L m Ta(B/m) + LM head;
 - FFN: `ffn` against L m Te(B/m);
-- link: `floor` (the same run's echo round trips) against L m (Tc_a2f + Tc_f2a);
+- link: `floor` (the same run's echo steps: the header, then L m round trips) against
+  L m (Tc_a2f + Tc_f2a) + the step header;
 - ratio: AFD tokens/s over plain's against plain step / AFD step, the AFD step
   from the pipeline (pipeline.step_time) and plain's from L (Ta(B) + Te(B)) on
   both cores.
@@ -74,13 +75,15 @@ def predict(model: ModelShape, hw: Hardware, batch: int, m: int, context: int) -
     a2f, busy_a2f = cost.transfer(model.a2f_bytes_per_token(), b, link)
     f2a, busy_f2a = cost.transfer(model.f2a_bytes_per_token(), b, link)
     head = cost.lm_head(model, hw, batch).seconds
-    afd_step = pipeline.step_time(ta, te, a2f, f2a, m, layers, max(busy_a2f, busy_f2a)) + head
+    header = link.header_seconds()  # once a step, before the first layer
+    afd_step = pipeline.step_time(ta, te, a2f, f2a, m, layers,
+                                  max(busy_a2f, busy_f2a)) + head + header
     plain = hw.colocated or hw
     plain_step = layers * (cost.attention_layer(model, plain, batch, context).seconds
                            + cost.ffn_layer(model, plain, batch, 1).seconds) \
         + cost.lm_head(model, plain, batch).seconds
     return {"attention": layers * m * ta + head, "ffn": layers * m * te,
-            "link": layers * m * (a2f + f2a), "step": afd_step, "plain_step": plain_step,
+            "link": layers * m * (a2f + f2a) + header, "step": afd_step, "plain_step": plain_step,
             "ratio": plain_step / afd_step}
 
 

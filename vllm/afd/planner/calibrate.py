@@ -18,7 +18,9 @@ gets on the same cores):
   weight that stays in the last-level cache (compute, not memory);
 - the same-host link: round trips of a hidden-state payload through the project's
   real shm connector between two processes on two cores (attention end, echo FFN
-  end), per payload size; its fixed part and bandwidth by a least-squares line;
+  end), per payload size, in steps as `make bench` runs them (a header, then a
+  layer call per layer); its fixed part and bandwidth by a least-squares line,
+  and the step header's own cost;
 - the routed experts as vLLM's CPU MoE kernel computes them (where vLLM's CPU
   kernels load): FLOP/s of `cpu_fused_moe` by rows per expert, at the bench
   model's expert shape, the weights of several layers in turn so that each call
@@ -355,10 +357,14 @@ def _echo_ffn(port: int, core: int, max_tokens: int) -> None:
         ffn.close()
 
 
-def shm_round_trips(cores: list[int], iters: int = 200) -> dict[int, float]:
-    """Median round-trip seconds per payload (bytes one way): layer calls of
-    LINK_LAYERS-layer steps, as the bench model's (the step header is not a
-    layer call's cost)."""
+def shm_round_trips(cores: list[int], iters: int = 200) -> tuple[dict[int, float], float]:
+    """({payload bytes one way: round-trip seconds}, step header seconds), measured
+    as a step pays them, as `make bench`'s transfer floor does: each step sends
+    its header, then LINK_LAYERS round trips. A size's round trip is the median
+    over steps of the step's calls' mean, the first call included (it waits while
+    the echo reads the header); the header is the median time to send it. Medians
+    of single calls (before 2026-12-04) left out the header and the skew of the
+    calls' distribution: 20-25 % under the floor."""
     import torch
 
     from vllm.afd.transport import wire
@@ -368,34 +374,34 @@ def shm_round_trips(cores: list[int], iters: int = 200) -> dict[int, float]:
         target=_echo_ffn, args=(port, cores[1], max_tokens), daemon=True)
     echo.start()
     attn = _make_connector("attention", port, max_tokens)
-    out: dict[int, float] = {}
     try:
         attn.connect()
         payloads = {t: torch.randn(t, LINK_HIDDEN).to(torch.bfloat16) for t in LINK_TOKENS}
         results = {t: torch.empty_like(h) for t, h in payloads.items()}
-        times: dict[int, list[float]] = {t: [] for t in LINK_TOKENS}
+        per_call: dict[int, list[float]] = {t: [] for t in LINK_TOKENS}
+        headers: list[float] = []
         step_ids = itertools.count()
         # Sizes interleaved, so a burst of load elsewhere on the host hits them all
         # alike and the line fit stays meaningful.
         for i in range(iters // LINK_LAYERS + 5):
             for tokens, h in payloads.items():
+                t0 = time.perf_counter()
                 attn.send_step(wire.StepHeader(step_id=next(step_ids),
                                                num_tokens=[tokens]))
+                t1 = time.perf_counter()
                 for layer in range(LINK_LAYERS):
-                    t0 = time.perf_counter()
                     attn.send_hidden(layer, 0, h)
                     attn.recv_output(layer, 0, out=results[tokens])
-                    # warm-up: the first steps map pages and wake threads; a
-                    # step's first call waits while the echo reads the header
-                    if i >= 5 and layer:
-                        times[tokens].append(time.perf_counter() - t0)
-        out = {t * LINK_HIDDEN * 2: statistics.median(v) for t, v in times.items()}
+                if i >= 5:  # warm-up: the first steps map pages and wake threads
+                    headers.append(t1 - t0)
+                    per_call[tokens].append((time.perf_counter() - t1) / LINK_LAYERS)
+        trips = {t * LINK_HIDDEN * 2: statistics.median(v) for t, v in per_call.items()}
+        return trips, statistics.median(headers)
     finally:
         attn.close()
         echo.join(20)
         if echo.is_alive():
             echo.kill()
-    return out
 
 
 def fit_link(round_trips: dict[int, float]) -> tuple[float, float]:
@@ -429,10 +435,10 @@ def measure(model: str | None = None) -> dict:
     os.sched_setaffinity(0, {cores[0]})
     # One thread: torch's intra-op threads on one core would stall the link's copies.
     torch.set_num_threads(1)
-    trips = shm_round_trips(cores)
+    trips, header = shm_round_trips(cores)
     latency, bandwidth = fit_link(trips)
     result = {"cores": cores, "link": {"round_trips": trips, "latency": latency,
-                                       "bandwidth": bandwidth}}
+                                       "bandwidth": bandwidth, "step_header": header}}
     kernel, dense = vllm_moe_kernel(), vllm_dense_gemm()
     for name, core_set in (("device", {cores[0]}), ("colocated", set(cores))):
         os.sched_setaffinity(0, core_set)
@@ -514,11 +520,13 @@ def profile_text(m: dict) -> str:
         f"[same_host]  # the shm connector, two processes on two cores, {LINK_LAYERS} layers a step",
         f"latency = {link['latency']:.4g}  # one way: half the fitted zero-byte round trip",
         f"bandwidth = {link['bandwidth']:.4g}",
+        f"step_header = {link['step_header']:.4g}  # sending a step's header, once a step",
         f"round_trip_by_bytes = {{ {', '.join(f'b{b} = {t:.4g}' for b, t in link['round_trips'].items())} }}",
         "",
         "[scale_out]  # AFD on one host: the same-host link is the only link",
         f"bandwidth = {link['bandwidth']:.4g}",
         f"latency = {link['latency']:.4g}",
+        f"step_header = {link['step_header']:.4g}",
         "",
     ])
     section("colocated.", m["colocated"])

@@ -31,6 +31,13 @@ LINK_KINDS = ("scale_out", "scale_up", "same_host")
 class Link:
     bandwidth: float  # bytes/s, one direction
     latency: float  # seconds, one way, per transfer
+    # Seconds a decode step's header (the micro-batch sizes, sent once before its
+    # first layer) costs the attention side; absent: one small message, `latency`.
+    # A cpu profile measures it: Python building and posting the frame is most of it.
+    step_header: float | None = None
+
+    def header_seconds(self) -> float:
+        return self.latency if self.step_header is None else self.step_header
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,8 @@ def _parse(data: dict, name: str, path: str) -> Hardware:
     tables = {k.removesuffix("_by_rows"): (tuple(float(r) for r in v["rows"]),
                                            tuple(float(f) for f in v["flops"]))
               for k, v in compute.items() if isinstance(v, dict)}
-    links = {k: Link(float(data[k]["bandwidth"]), float(data[k]["latency"]))
+    links = {k: Link(float(data[k]["bandwidth"]), float(data[k]["latency"]),
+                     float(data[k]["step_header"]) if "step_header" in data[k] else None)
              for k in LINK_KINDS if k in data}
     overhead = data.get("overhead", {})
     engine = None

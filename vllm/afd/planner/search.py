@@ -84,7 +84,8 @@ def evaluate(model: ModelShape, hw: Hardware, attention_devices: int, ffn_device
         if count:
             layers_time += pipeline.step_time(ta, te, a2f, f2a, m, count, busy)
     head = cost.lm_head(model, hw, batch).seconds
-    tpot = layers_time + head
+    # the step's header crosses once, before the first layer (its micro-batch sizes)
+    tpot = layers_time + head + the_link.header_seconds()
     cycle = pipeline.layer_cycle(ta, te_moe, a2f, f2a, m, busy)
     terms = {"attention-bound": m * ta, "FFN-bound": m * te_moe, "link-bound": m * busy}
     if ta + te_moe + a2f + f2a > max(terms.values()):
