@@ -225,7 +225,8 @@ def test_the_step_header_crosses_once_a_step(tmp_path):
     latency, is added to every AFD step once, whatever the layers and m."""
     h200 = load_hardware("h200")
     assert h200.link("scale_out").header_seconds() == h200.link("scale_out").latency
-    text = Path(h200.path).read_text().replace("[scale_out]\n", "[scale_out]\nstep_header = 0.004\n")
+    text = Path(h200.path).read_text().replace("[scale_out]\n",
+                                                "[scale_out]\nstep_header = 0.004\n")
     slow = tmp_path / "h200-slow-header.toml"
     slow.write_text(text)
     slow_hw = load_hardware(str(slow))
@@ -337,8 +338,8 @@ def test_the_engine_probe_times_a_models_layers_in_plain_vllm(models_dir):
 
 def test_the_engine_probe_keeps_the_median_pass():
     """`make bench` reports medians; the probe's table keeps each batch size's
-    median pass (by its whole step), not its fastest, which on a VM whose two
-    threads at B = 1 spread 27-36 ms a step sat 35 % under the bench's plain."""
+    median pass (by its whole step), not its fastest, which leans to a VM's
+    fast phases."""
     from vllm.afd.planner.engine_probe import PASSES, median_pass
 
     assert PASSES >= 3  # a median of two is the faster one

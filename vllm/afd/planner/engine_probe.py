@@ -96,8 +96,7 @@ def probe(model: str, batches: list[int], steps: int) -> dict:
         # Every batch size PASSES times, in turn, keeping the median pass of each
         # (by its step): a VM's slow phases last seconds and made one B read 30 %
         # slow. Not the fastest pass (before 2026-12-04): `make bench` reports
-        # medians, and on two threads at B = 1 the passes spread 27-36 ms a step
-        # on the AVX2 VM, so the fastest was 35 % under the bench's plain step.
+        # medians, and the fastest of a few passes leans to the VM's fast phases.
         for pass_ in range(PASSES):
             for b in batches:
                 for r in range(b):
