@@ -194,8 +194,8 @@ def run(tokens: int, stream_mb: int, steps: int, through: str) -> dict:
 
 def run_ubatched(tokens: int, m: int, steps: int) -> dict:
     """Steps of m micro-batches (tokens split as the runner splits them:
-    afd_vs_colocated.split_tokens), ping-ponged as the attention runner does (pingpong.py), through the
-    link's exchange; warm, and nothing computed but the FFN's h * 1.0. Per
+    afd_vs_colocated.split_tokens), ping-ponged as the attention runner does
+    (pingpong.py), through the link's exchange; warm, and nothing computed but the FFN's h * 1.0. Per
     layer call: the step's wall time beyond the FFN's mlps, over the step's
     m x LAYERS calls: what the link, the turn hand-overs and the FFN loop add
     to a micro-batched step where neither side has work to overlap them with."""

@@ -2,7 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """`vllm-afd plan`: the planner against published budgets (Step-3, MegaScale-Infer),
 published model sizes, its own event simulation, and this CPU's `make bench`.
-No engine runs here; the whole module takes a few seconds."""
+Most cases are arithmetic; the calibration's pieces (the shm link, vLLM's CPU
+kernels, the engine probe on a tiny model) run for real, about 45 s in all."""
 
 import dataclasses
 import json
