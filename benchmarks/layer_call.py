@@ -39,6 +39,7 @@ which a serving step overlaps with its embedding and first attention (its
 median is reported apart).
 
     make bench-layer-call                        # warm and cold, B = 1 and 8
+    python benchmarks/layer_call.py --device cuda --through exchange   # a GPU host
     python benchmarks/layer_call.py --steps 400 --stream-mb 32 --tokens 1
 
 Results: benchmarks/results/layer_call.json (and a table on stdout).
@@ -66,15 +67,25 @@ def link_config(port: int, num_ubatches: int = 1):
                       connector_extra_config={"spin_us": 50000})
 
 
+def pin_side(first: int, cores: int) -> None:
+    """Pin this process to `cores` cores from `first` (one: link_latency.pin)."""
+    if cores <= 1:
+        pin(first)
+    elif hasattr(os, "sched_setaffinity"):
+        have = os.cpu_count() or 1
+        os.sched_setaffinity(0, {c for c in range(first, first + cores) if c < have} or {0})
+
+
 def ffn_process(port: int, max_tokens: int, stream_mb: int, ready, commands,
-                num_ubatches: int = 1) -> None:
+                num_ubatches: int = 1, device: str = "cpu", cores: int = 1) -> None:
     """The FFN end: a real FFNLoop serving LAYERS layers; its mlp's start and
     end times are sent back when asked."""
-    pin(FFN_CORE)
+    pin_side(FFN_CORE * cores, cores)
     import torch
 
     from vllm.afd.ffn.loop import FFNLoop
     from vllm.afd.topology import FFNPlacement
+    from vllm.afd.transport.device import DeviceContext
 
     torch.set_num_threads(1)
     junk = torch.zeros(stream_mb << 18) if stream_mb else None  # float32: MB x 2^18
@@ -92,7 +103,7 @@ def ffn_process(port: int, max_tokens: int, stream_mb: int, ready, commands,
                    layers=list(range(LAYERS)), compute=mlp,
                    hidden_size=HIDDEN, dtype=torch.bfloat16, max_tokens=max_tokens,
                    placement=FFNPlacement(rank=0, group=[0]), warmup_sizes=[])
-    loop.start()
+    loop.start(DeviceContext.current(device))
     ready.put(loop.ready.wait(30))
     while commands.get() == "stamps":
         s = loop.stats()
@@ -110,26 +121,30 @@ def percentiles(values: list[float]) -> dict:
             "mean_us": round(statistics.mean(v), 2)}
 
 
-def run(tokens: int, stream_mb: int, steps: int, through: str) -> dict:
+def run(tokens: int, stream_mb: int, steps: int, through: str, device: str = "cpu",
+        cores: int = 1) -> dict:
     import torch
 
-    from vllm.afd.attention import runner
     from vllm.afd.attention.link import AttentionLink, StepPlan
-    from vllm.afd.model.remote_ffn import RemoteFFN
+    from vllm.afd.transport.device import DeviceContext
 
     port = free_port()
     ctx = mp.get_context("spawn")
     ready, commands = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=ffn_process, args=(port, tokens, stream_mb, ready, commands),
-                       daemon=True)
+    proc = ctx.Process(target=ffn_process, args=(port, tokens, stream_mb, ready, commands, 1,
+                                                 device, cores), daemon=True)
     proc.start()
     try:
         if ready.get(timeout=120) is not True:
             raise RuntimeError("the FFN loop did not become ready")
+        context = DeviceContext.current(device)
         link = AttentionLink(link_config(port), hidden_size=HIDDEN, dtype=torch.bfloat16,
-                             max_tokens=tokens)
+                             max_tokens=tokens, device=context)
         seams = None  # through the link's exchange
         if through == "model":  # the modules add their layers to the process's link
+            from vllm.afd.attention import runner  # vLLM's: not on a machine without it
+            from vllm.afd.model.remote_ffn import RemoteFFN
+
             runner.install_link(link)
             seams = [RemoteFFN(layer, None) for layer in range(LAYERS)]
         else:
@@ -137,12 +152,12 @@ def run(tokens: int, stream_mb: int, steps: int, through: str) -> dict:
                 link.add_layer(layer)
         link.start()
         junk = torch.zeros(stream_mb << 18) if stream_mb else None
-        h = torch.randn(tokens, HIDDEN).to(torch.bfloat16)
+        h = torch.randn(tokens, HIDDEN).to(device=device, dtype=torch.bfloat16)
         out = torch.empty_like(h)
         calls: list[tuple[float, float]] = []
         with torch.inference_mode():
             for _ in range(steps):
-                link.begin_step(StepPlan(num_tokens=(tokens,)))
+                link.begin_step(StepPlan(num_tokens=(tokens,), device=context))
                 for layer in range(LAYERS):
                     if junk is not None:
                         junk.add_(1.0)
@@ -159,6 +174,8 @@ def run(tokens: int, stream_mb: int, steps: int, through: str) -> dict:
         ffn = ready.get(timeout=60)
         stats = link.stats
         if through == "model":
+            from vllm.afd.attention import runner
+
             runner.close_link()
         else:
             link.close()
@@ -176,7 +193,8 @@ def run(tokens: int, stream_mb: int, steps: int, through: str) -> dict:
     pairs = [p for i, p in enumerate(every) if i % LAYERS]
     firsts = [p for i, p in enumerate(every) if i % LAYERS == 0]
     return {
-        "tokens": tokens, "through": through, "stream_mb": stream_mb, "steps": steps,
+        "tokens": tokens, "through": through, "device": device, "stream_mb": stream_mb,
+        "steps": steps,
         "layer_calls": len(pairs),
         "beyond_compute": percentiles([((a1 - a0) - (m1 - m0)) * 1e6
                                        for (a0, a1), (m0, m1) in pairs]),
@@ -192,7 +210,7 @@ def run(tokens: int, stream_mb: int, steps: int, through: str) -> dict:
     }
 
 
-def run_ubatched(tokens: int, m: int, steps: int) -> dict:
+def run_ubatched(tokens: int, m: int, steps: int, device: str = "cpu", cores: int = 1) -> dict:
     """Steps of m micro-batches (tokens split as the runner splits them:
     afd_vs_colocated.split_tokens), ping-ponged as the attention runner does
     (pingpong.py), through the link's exchange; warm, and nothing computed but the FFN's h * 1.0. Per
@@ -205,23 +223,26 @@ def run_ubatched(tokens: int, m: int, steps: int) -> dict:
 
     from vllm.afd.attention.link import AttentionLink, StepPlan
     from vllm.afd.attention.pingpong import run_micro_batches
+    from vllm.afd.transport.device import DeviceContext
 
     port = free_port()
     ctx = mp.get_context("spawn")
     ready, commands = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=ffn_process, args=(port, tokens, 0, ready, commands, m),
-                       daemon=True)
+    proc = ctx.Process(target=ffn_process, args=(port, tokens, 0, ready, commands, m, device,
+                                                 cores), daemon=True)
     proc.start()
     split = split_tokens(tokens, m)
     try:
         if ready.get(timeout=120) is not True:
             raise RuntimeError("the FFN loop did not become ready")
+        context = DeviceContext.current(device)
         link = AttentionLink(link_config(port, m), hidden_size=HIDDEN, dtype=torch.bfloat16,
-                             max_tokens=tokens)
+                             max_tokens=tokens, device=context)
         for layer in range(LAYERS):
             link.add_layer(layer)
         link.start()
-        hidden = [torch.randn(n, HIDDEN).to(torch.bfloat16) for n in split]
+        hidden = [torch.randn(n, HIDDEN).to(device=device, dtype=torch.bfloat16)
+                  for n in split]
         outs = [torch.empty_like(h) for h in hidden]
 
         def ubatch(u: int) -> None:
@@ -232,7 +253,7 @@ def run_ubatched(tokens: int, m: int, steps: int) -> dict:
         with torch.inference_mode():
             for _ in range(steps):
                 t0 = time.perf_counter()
-                link.begin_step(StepPlan(num_tokens=tuple(split)))
+                link.begin_step(StepPlan(num_tokens=tuple(split), device=context))
                 run_micro_batches(split, ubatch, device=link.device)
                 link.end_step()
                 walls.append(time.perf_counter() - t0)
@@ -256,6 +277,34 @@ def run_ubatched(tokens: int, m: int, steps: int) -> dict:
             "step": percentiles([w * 1e6 for w in walls[steps // 10:]])}
 
 
+def staging_floor(tokens: int, reps: int = 400) -> dict:
+    """What a host-staged layer call cannot avoid on a GPU, in this process
+    with no link: per direction the sender's device-to-host copy into
+    page-locked memory, waited for (the peer reads it next), and the
+    receiver's host-to-device copy, waited for here too. A layer call crosses
+    twice: its floor is twice this round trip."""
+    import torch
+
+    h = torch.randn(tokens, HIDDEN, device="cuda").to(torch.bfloat16)
+    nbytes = h.numel() * h.element_size()
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    back = torch.empty_like(h)
+    event = torch.cuda.Event()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        host.copy_(h.view(-1).view(torch.uint8), non_blocking=True)
+        event.record()
+        event.synchronize()
+        back.view(-1).view(torch.uint8).copy_(host, non_blocking=True)
+        event.record()
+        event.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    assert torch.equal(back, h)
+    return {"tokens": tokens, "bytes": nbytes,
+            "d2h_h2d_round_trip": percentiles(times[reps // 10:])}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,8", help="tokens per layer call (default %(default)s)")
@@ -269,13 +318,19 @@ def main(argv=None) -> int:
                     help="micro-batched steps (warm, through the exchange) of these counts, "
                          "B = --tokens' largest, at least the count ('' for none; default "
                          "%(default)s)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where both ends' tensors live (cuda: the link stages them through "
+                         "pinned host memory; the warm regime only; default %(default)s)")
+    ap.add_argument("--cores", type=int, default=1,
+                    help="cores per side (the attention side's from 0, the FFN's after "
+                         "them; a CUDA process has driver threads too; default %(default)s)")
     ap.add_argument("--out", type=Path,
                     default=Path(__file__).parent / "results" / "layer_call.json")
     args = ap.parse_args(argv)
     if (os.cpu_count() or 1) < 2:
         print("[bench-layer-call] needs two cores", file=sys.stderr)
         return 2
-    pin(ATTENTION_CORE)
+    pin_side(ATTENTION_CORE, args.cores)
     import torch
 
     from vllm.afd.planner.calibrate import cpu_isa, cpu_model
@@ -283,19 +338,32 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     results = {"benchmark": "layer_call", "machine": {
         "cpu_model": cpu_model(), "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count(),
-        "load_average_1m": os.getloadavg()[0]},
+        "load_average_1m": os.getloadavg()[0],
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None},
         "settings": {"hidden": HIDDEN, "layers": LAYERS, "dtype": "bfloat16",
                      "connector": "shm", "spin_us": 50000, "steps": args.steps,
+                     "device": args.device, "cores_per_side": args.cores,
                      "cores": {"attention": ATTENTION_CORE, "ffn": FFN_CORE}},
         "cases": []}
     print("per layer call, us (median / p90 / mean): beyond the mlp's compute, split at it")
     throughs = args.through.split(",")
     if not set(throughs) <= {"exchange", "model"}:
         ap.error(f"--through: exchange and/or model, not {args.through!r}")
+    if args.device == "cuda":
+        results["staging_floor"] = []
+        print("the staging floor, us (median / p90 / mean): device to pinned host and back, "
+              "each waited for (a layer call crosses twice)")
+        for tokens in sorted({int(t) for t in args.tokens.split(",")}):
+            floor = staging_floor(tokens)
+            results["staging_floor"].append(floor)
+            f = floor["d2h_h2d_round_trip"]
+            print(f"  B={tokens:<3} {floor['bytes']:7d} B  {f['median_us']:6.1f} / "
+                  f"{f['p90_us']:6.1f} / {f['mean_us']:6.1f}", flush=True)
+    regimes = (("warm", 0),) if args.device == "cuda" else (("warm", 0), ("cold", args.stream_mb))
     for tokens, through, (regime, mb) in itertools.product(
-            [int(t) for t in args.tokens.split(",")], throughs,
-            (("warm", 0), ("cold", args.stream_mb))):
-        case = {"regime": regime, **run(tokens, mb, args.steps, through)}
+            [int(t) for t in args.tokens.split(",")], throughs, regimes):
+        case = {"regime": regime, **run(tokens, mb, args.steps, through, args.device,
+                                        args.cores)}
         results["cases"].append(case)
 
         def cell(key):
@@ -314,7 +382,7 @@ def main(argv=None) -> int:
               "beyond the FFN's mlps")
     for m in ubatches:
         tokens = max(m, *(int(t) for t in args.tokens.split(",")))
-        case = run_ubatched(tokens, m, args.steps)
+        case = run_ubatched(tokens, m, args.steps, args.device, args.cores)
         results["ubatched"].append(case)
         p = case["beyond_compute_per_call"]
         print(f"  B={tokens:<3} m={m} {case['ubatches']}  beyond compute {p['median_us']:6.1f} / "

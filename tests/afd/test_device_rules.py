@@ -169,6 +169,22 @@ def test_connectors_take_their_device_from_the_caller():
                      "module.current_device())"], calls
 
 
+def test_a_context_names_its_streams_device_with_the_index():
+    """Tensors name their device with its index (cuda:0); a context handed
+    "cuda" and a stream of cuda:1 is on cuda:1, or the loopback connector
+    refuses its own payloads (what the GPU check showed on an H200). A stream
+    stands in for a CUDA one (no GPU here): all that is read is its device."""
+    from types import SimpleNamespace
+
+    from vllm.afd.transport.device import DeviceContext
+
+    stream = SimpleNamespace(device=torch.device("cuda", 1))
+    assert DeviceContext("cuda", stream).device == torch.device("cuda", 1)
+    assert DeviceContext("cuda:1", stream).device == torch.device("cuda", 1)
+    assert DeviceContext("cpu", "a token").device == torch.device("cpu")
+    assert DeviceContext("cuda").device == torch.device("cuda")  # no stream, nothing known
+
+
 # ----------------------------------------------------------- peer devices
 @pytest.mark.parametrize("kind, accepted", [("tcp", True), ("shm", True),
                                             ("loopback", False), ("nccl", False)])

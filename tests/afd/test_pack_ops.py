@@ -353,6 +353,38 @@ def test_composite_pack_is_the_kernels_bytes(dtype, tokens, hidden, group, topk)
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+class ScalarDivisionAsCuda(torch.overrides.TorchFunctionMode):
+    """Tensor / Python number as CUDA's kernel computes it: a * (1 / b), not
+    an IEEE division. Stands in for the GPU (none here): on the CPU torch
+    divides by a scalar exactly, so only this mode shows the difference."""
+
+    DIVISIONS = {torch.Tensor.div, torch.Tensor.__truediv__, torch.div, torch.true_divide}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func in self.DIVISIONS and len(args) == 2 and isinstance(args[1], (int, float))
+                and not kwargs and args[0].is_floating_point()):
+            return args[0] * (1.0 / args[1])
+        return func(*args, **kwargs)
+
+
+def test_composite_scales_divide_as_the_kernels_on_every_device():
+    """The scale is amax / 448 rounded once (pack.h). The GPU check found
+    composite.pack's bytes off the kernels' on CUDA: it divided by a Python
+    number, which CUDA turns into a multiplication by the reciprocal."""
+    from vllm.afd.kernels import composite
+
+    x = hidden_states(16, 512, torch.float32, seed=3)
+    amax = x.view(16, 4, 128).abs().amax(-1)
+    assert (amax / 448.0 != amax * (1 / 448.0)).any()  # inputs where the two differ
+    layout = PackLayout.of(16, 512, torch.float32, GROUP)
+    by_kernel, by_torch = new_slot(layout), new_slot(layout)
+    ops.pack(x, by_kernel, GROUP)
+    with ScalarDivisionAsCuda():
+        composite.pack(x, None, None, GROUP, by_torch)
+    assert torch.equal(by_kernel, by_torch)
+
+
 def test_composite_is_the_privateuse1_implementation():
     ops.load()
     for name in ("pack", "unpack"):

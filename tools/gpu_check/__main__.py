@@ -98,27 +98,58 @@ def check_imports(args) -> str:
     return f"{len(DATA_PLANE)} data-plane modules, no vllm.* module outside vllm.afd"
 
 
+_build_failure: list[str] = []
+
+
+def ensure_library(device: str) -> str:
+    """Load the `afd` op library once: the installed vllm/afd/_C on the CPU
+    where there is one (make test), else built here from csrc/ against the
+    local torch (with csrc/cuda on CUDA). The path goes into the environment
+    (ops.LIBRARY_ENV), so the FFN processes the harness spawns load the same
+    file."""
+    from vllm.afd.kernels import ops
+
+    if os.environ.get(ops.LIBRARY_ENV):
+        ops.load()
+        return os.environ[ops.LIBRARY_ENV]
+    path = None
+    if device == "cpu":
+        try:
+            ops.load()
+            path = ops.library_path()
+        except ImportError:
+            pass
+    if path is None and _build_failure:  # once: every later check reports it
+        raise RuntimeError(f"the op library did not build: {_build_failure[0]}")
+    if path is None:
+        from torch.utils.cpp_extension import load
+
+        csrc = REPO / "csrc"
+        sources = [csrc / "torch_bindings.cpp", *sorted((csrc / "cpu").glob("*.cpp"))]
+        if device == "cuda":
+            sources += sorted((csrc / "cuda").glob("*.cu"))
+        build = Path(os.environ.get("AFD_GPU_CHECK_BUILD", "/tmp/afd-gpu-check-build")) / device
+        build.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        try:
+            load(name="afd_C", sources=[str(s) for s in sources], build_directory=str(build),
+                 extra_cflags=["-O3"], extra_cuda_cflags=["-O3"], with_cuda=device == "cuda",
+                 is_python_module=False, verbose=False)
+        except Exception as e:
+            _build_failure.append(f"{type(e).__name__}: {str(e)[-2000:]}")
+            raise
+        path = str(build / "afd_C.so")
+        print(f"  built {path} in {time.monotonic() - t0:.0f}s", flush=True)
+        ops.load(path)
+    os.environ[ops.LIBRARY_ENV] = path
+    return path
+
+
 def check_kernels(args) -> str:
     from vllm.afd.kernels import ops
 
     device = args.device
-    if device == "cuda":
-        from torch.utils.cpp_extension import load
-
-        csrc = REPO / "csrc"
-        sources = [csrc / "torch_bindings.cpp", *sorted((csrc / "cpu").glob("*.cpp")),
-                   *sorted((csrc / "cuda").glob("*.cu"))]
-        build = Path(os.environ.get("AFD_GPU_CHECK_BUILD", "/tmp/afd-gpu-check-build"))
-        build.mkdir(parents=True, exist_ok=True)
-        load(name="afd_C", sources=[str(s) for s in sources], build_directory=str(build),
-             extra_cflags=["-O3"], extra_cuda_cflags=["-O3"], is_python_module=False,
-             verbose=False)
-        ops.load(str(build / "afd_C.so"))
-    else:
-        try:
-            ops.load()
-        except ImportError as e:
-            raise Skip(f"vllm/afd/_C is not built here ({e}); the wheel has it") from None
+    path = ensure_library(device)
     # pack/unpack on the device against the torch-op implementation
     # (kernels/composite.py) on the same device: the same slot bytes, the same
     # tensors back, and unpack(pack(x)) is plain torch's fp8 round trip.
@@ -145,7 +176,8 @@ def check_kernels(args) -> str:
             expected = fp8_round_trip(x, group) if group else x
             assert torch.equal(back, expected), ("unpack", tokens, width, group, dtype)
             cases += 1
-    return f"pack/unpack on {device}: {cases} cases equal to torch's (exact, fp8, routed)"
+    return (f"pack/unpack on {device}: {cases} cases equal to torch's (exact, fp8, routed); "
+            f"library {path}")
 
 
 def check_kernels_pack(args) -> str:
@@ -510,6 +542,8 @@ def main() -> int:
             continue
         t0 = time.monotonic()
         try:
+            if name != "imports":  # built (or found) once, by the first check after it
+                ensure_library(args.device)
             detail, status = check(args), "pass"
         except Skip as e:
             detail, status = str(e), "skip"

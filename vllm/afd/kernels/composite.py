@@ -53,7 +53,11 @@ def pack(hidden: torch.Tensor, topk_ids: torch.Tensor | None,
     elif tokens:
         xg = _groups(hidden, group_size)
         amax = xg.abs().amax(-1, keepdim=True)
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        # A tensor divisor: CUDA's kernel divides by a Python number as a times
+        # 1 / b, one rounding more than pack.h's IEEE division (the GPU check
+        # caught it); a tensor by a tensor divides IEEE-rounded on every device.
+        scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX),
+                            torch.ones_like(amax))
         q = (xg / scale).to(FP8).view(torch.uint8).view(tokens, -1)[:, :width]
         slot[:layout.hidden_nbytes].view(tokens, width).copy_(q)
         slot[layout.scales_offset:layout.weights_offset].view(FP8_SCALE_DTYPE).copy_(

@@ -6,7 +6,8 @@
 The kernels are torch ops (torch.ops.afd.*) with fake implementations, so
 torch.compile traces them as opaque calls. The library is the wheel's
 vllm/afd/_C; a machine without the wheel (the GPU check) builds it from csrc/
-and hands the built file to load().
+and hands the built file to load(), or names it in VLLM_AFD_OP_LIBRARY (read
+by load() without a path: the processes such a machine spawns load it too).
 """
 
 import glob
@@ -23,6 +24,7 @@ from vllm.afd.transport.wire import ROUTING_ALIGN, PayloadLayout
 
 logger = logging.getLogger(__name__)
 
+LIBRARY_ENV = "VLLM_AFD_OP_LIBRARY"  # a built library's file, instead of the wheel's
 _loaded = False
 _library_path: str | None = None
 _composite_library = None  # keeps the PrivateUse1 registrations alive
@@ -35,6 +37,7 @@ def load(path: str | None = None) -> None:
     global _loaded, _library_path
     if _loaded:
         return
+    path = path or os.environ.get(LIBRARY_ENV) or None
     if path is None:
         try:
             path = importlib.import_module("vllm.afd._C").__file__

@@ -46,7 +46,14 @@ class DeviceContext:
     __slots__ = ("device", "stream")
 
     def __init__(self, device: torch.device | str, stream: Any | None = None) -> None:
-        self.device = torch.device(device)
+        device = torch.device(device)
+        stream_device = getattr(stream, "device", None)
+        if (device.index is None and isinstance(stream_device, torch.device)
+                and stream_device.type == device.type):
+            # "cuda" with a stream of cuda:0 is cuda:0, the device the tensors
+            # name: the GPU check's loopback refused cuda:0 payloads for "cuda".
+            device = stream_device
+        self.device = device
         self.stream = stream
 
     @classmethod
