@@ -49,7 +49,7 @@ class DeferredOps(DeviceOps):
 
         self.last = self.pool.submit(later)
 
-    def record(self):
+    def record(self, event=None):
         return self.last
 
     def wait_host(self, event) -> None:
@@ -74,6 +74,55 @@ def shm_pair_on_a_deferred_device():
     attn.connect()
     waiter.join_result()
     return attn, ffn
+
+
+def staged_shm_pair():
+    """An shm pair that takes the prepared calls as CUDA connectors do (staged
+    through their slots, shm_fast.py) on the fake asynchronous device: the
+    attention side's copies out of the received slot land later (the FFN's
+    fake device is the host's memory: it reads the slot in place)."""
+    port = free_port()
+    ffn = make("shm", "ffn", port)
+    attn = make("shm", "attention", port)
+    for side in (attn, ffn):  # stage as on a GPU (none here)
+        side.ops, side._on_host = DeferredOps(), False
+    waiter = Background(ffn.connect)
+    attn.connect()
+    waiter.join_result()
+    return attn, ffn
+
+
+@pytest.mark.parametrize("settled", [True, False])
+def test_staged_prepared_calls_settle_the_slot_before_the_next_post(settled, monkeypatch):
+    """A device's prepared calls: the output is copied out of the shared slot
+    on the consumer's stream after the call returns (here 0.2 s later). The
+    next post on that micro-batch lets the FFN write the slot again, so it
+    settles that copy first. settled=False makes the release a no-op: the
+    negative control, where the first output reads the second."""
+    from vllm.afd.transport.buffers import HostSlots
+
+    if not settled:
+        monkeypatch.setattr(HostSlots, "release", lambda self, u: None)
+    attn, ffn = staged_shm_pair()
+    try:
+        attn.send_step(StepHeader(step_id=1, num_tokens=[4]))
+        ffn.recv_step(0)
+        assert attn.exchange_prepared() and ffn._prepared.get(0) is not None
+        first, second = torch.full((4, H), 1.0), torch.full((4, H), 2.0)
+        out1, out2 = torch.zeros(4, H), torch.zeros(4, H)
+        for layer, h, out in ((0, first, out1), (1, second, out2)):
+            assert attn.prepared_send(layer, 0, h, out)
+            assert ffn.reply_prepared(0, layer, 0, ffn.recv_prepared(0, layer, 0).clone())
+            assert attn.prepared_recv(layer, 0, out)  # its copy is still in flight
+        attn.ops.pool.shutdown(wait=True)
+        assert attn.fast_calls == 4 and ffn.fast_calls == 4  # no general path taken
+        if settled:
+            assert torch.equal(out1, first) and torch.equal(out2, second)
+        else:
+            assert torch.equal(out1, second)  # corrupted, as predicted
+    finally:
+        attn.close()
+        ffn.close()
 
 
 # ------------------------------------------------------- received tensors

@@ -48,6 +48,8 @@ class HostSlots:
         self._region: PinnedRegion | None = None if pinned else ops.pin(memory)
         self._slots = [memory[u * slot_bytes:(u + 1) * slot_bytes] for u in range(count)]
         self._events: list = [None] * count  # the last read of each slot
+        self._spare_events: list = [None] * count  # released, recorded again next read
+        self._write_events: list = [None] * count  # each slot's device-to-host fence
         self._device_buffers: list[torch.Tensor | None] = [None] * count
         self._views: dict = {}
 
@@ -77,7 +79,11 @@ class HostSlots:
             # The peer reads the slot when the header arrives: the device to
             # host copies must have landed before it is sent.
             ops = self.ops_for(parts[0])
-            ops.wait_host(ops.record())
+            if ops is self.ops:
+                event = self._write_events[u] = ops.record(self._write_events[u])
+            else:
+                event = ops.record()
+            ops.wait_host(event)
         return offset
 
     def ops_for(self, tensor: torch.Tensor) -> DeviceOps:
@@ -99,14 +105,24 @@ class HostSlots:
             out = self._typed(("device", u), buffer, dtype, shape, nbytes)
         ops = self.ops_for(out)
         ops.copy(out, view)
-        self._events[u] = ops.record()
+        if ops is self.ops and self._events[u] is None:
+            spare, self._spare_events[u] = self._spare_events[u], None
+            self._events[u] = ops.record(spare)
+        else:
+            self.release(u)  # (a second read before a release: rare)
+            self._events[u] = ops.record()
         return out
+
+    def view(self, u: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        """Slot u's payload as dtype and shape, in host memory (no copy)."""
+        return self._typed(u, self._slots[u], dtype, shape, _nbytes(dtype, shape))
 
     def release(self, u: int) -> None:
         """Block until the last read of slot u has read it."""
         event, self._events[u] = self._events[u], None
         if event is not None:
-            self.ops.wait_host(event)
+            self.ops.wait_host_settled(event)
+            self._spare_events[u] = event
 
     def release_all(self) -> None:
         for u in range(self.count):

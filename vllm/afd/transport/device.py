@@ -137,17 +137,27 @@ class DeviceOps:
             return
         dst.copy_(src, non_blocking=not (dst.device.type == src.device.type == "cpu"))
 
-    def record(self) -> Any | None:
-        """An event after the work queued so far on the current stream."""
+    def record(self, event: Any | None = None) -> Any | None:
+        """An event after the work queued so far on the current stream: event
+        recorded again when given (creating one is a driver call, on a GPU
+        host as dear as recording it), else a new one."""
         if self.module is None:
             return None
-        event = self.module.Event()
+        if event is None:
+            event = self.module.Event()
         event.record(self.module.current_stream(self.device))
         return event
 
     def wait_host(self, event: Any | None) -> None:
         if event is not None:
             event.synchronize()
+
+    def wait_host_settled(self, event: Any | None) -> None:
+        """wait_host for work that has most likely finished (a slot's last
+        read, fenced since by a later wait on the same stream): asking costs
+        a fifth of a wait on the H200 host (1.5 against 8 us)."""
+        if event is not None and not (hasattr(event, "query") and event.query()):
+            self.wait_host(event)
 
     def wait_stream(self, event: Any | None) -> None:
         if event is not None:

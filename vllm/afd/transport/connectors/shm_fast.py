@@ -56,6 +56,17 @@ Both fall back as the calls above do: nothing sent (a full ring) means the
 general path does it all; sent but no expected answer in time means the
 general receive takes over, with its own timeout and errors.
 
+Device tensors (CUDA) take the prepared calls too, staged through the same
+slots: the sender copies its tensor into its slot and waits for the copy (the
+peer reads the slot once the header is out), then posts with the slot itself
+as the source (lane_post_call copies nothing then); the receiver takes the
+frame leaving the payload in its slot, then copies it to the device on the
+consumer's stream, and the slot's event is settled before this side's next
+message on that micro-batch (which lets the peer write the slot again). On
+the H200 host the general path cost 200-440 us a layer call beyond the mlp,
+where the copies and their waits alone (layer_call.py's staging floor) are
+about 60.
+
 Mixed into ShmConnector (shm.py) ahead of the protocol classes.
 """
 
@@ -120,11 +131,25 @@ class FastFrames:
         # the received slot's tensor on the FFN side, payload bytes sent)), or None
         self._prepared: dict[int, tuple | None] = {}
         self._prepared_send_ns: dict[int, int] = {}  # send time already reported
+        # Host tensors on a host connector: no staging, no slot events to settle.
+        self._on_host = self.device.type == "cpu"
 
     def _fast_enabled(self) -> bool:
-        """Host memory both ends, exact transfer both ways, no routing."""
-        return (self.device.type == "cpu" and not self.send_scale_group
+        """Host memory both ends (CUDA tensors staged through it), exact
+        transfer both ways, no routing."""
+        return (self.device.type in ("cpu", "cuda") and not self.send_scale_group
                 and not self.receive_scale_group and not self.routing_topk)
+
+    def _staged_source(self, peer: int, u: int, t: torch.Tensor) -> int:
+        """On a device connector, the address a prepared post sends from: t
+        copied into this side's slot u (waited for: the peer reads the slot
+        once the header arrives). Before that,
+        the last read of the received slot u is settled: once the peer has
+        this message it may write that slot again."""
+        self._rx[peer].release(u)
+        tx = self._tx[peer]
+        tx.write(u, (t,), t.nbytes)
+        return tx.slot(u).data_ptr()
 
     def _template(self, table: dict, rows: int):
         if rows not in table:
@@ -149,7 +174,7 @@ class FastFrames:
             return None
         link = self._links.get(peer)
         if (type(link) is not doorbell.RingLink or t.dtype != self.dtype or not t.is_cpu
-                or t.shape != (rows, self.hidden_size) or not t.is_contiguous()):
+                or not self._on_host or t.shape != (rows, self.hidden_size) or not t.is_contiguous()):
             return None
         return link
 
@@ -209,8 +234,8 @@ class FastFrames:
             shape = [rows, self.hidden_size]
             sizes.append((rows, out_t[4] + overhead + len(out_t[0]),
                           in_t[4] + overhead + len(in_t[0]), shape,
-                          None if self.is_attention else self._rx[peer].read(u, self.dtype,
-                                                                            shape),
+                          None if self.is_attention or not self._on_host
+                          else self._rx[peer].view(u, self.dtype, shape),
                           out_t[4]))
         calls = link.C.lane_prepare(link, link.lane, step.step_id, link.spin_ns,
                                     link.fast_wait_ms, sends, recvs)
@@ -247,10 +272,11 @@ class FastFrames:
         # (host memory, contiguous, the slot's byte count) and the dtype;
         # nbytes, not shape: a tuple compare costs 4x an attribute. `out`'s are
         # prepared_recv's, made while the FFN computes.
-        if not (h.dtype == self.dtype and h.is_cpu and h.nbytes == size[5]
-                and h.is_contiguous()):
+        if not (h.dtype == self.dtype and h.nbytes == size[5] and h.is_contiguous()):
             return False
-        if C.lane_post_call(calls, ubatch_id, layer_id, h.data_ptr()) == 1:
+        src = (h.data_ptr() if h.is_cpu and self._on_host
+               else self._staged_source(0, ubatch_id, h))
+        if C.lane_post_call(calls, ubatch_id, layer_id, src) == 1:
             return False  # a full ring: nothing sent
         self.bytes_sent += size[1]
         self.fast_calls += 1
@@ -262,13 +288,15 @@ class FastFrames:
         dtype = self.dtype
         # What the copy into `out` needs (as prepared_send's checks, made here
         # while the FFN computes); the general receive takes any other `out`.
-        if (out.dtype == dtype and out.is_cpu and out.nbytes == size[5]
-                and out.is_contiguous()):
+        if out.dtype == dtype and out.nbytes == size[5] and out.is_contiguous():
             # Counted before, so that nothing stands between the output's arrival
             # and the caller; undone when it does not come.
             self.bytes_received += size[2]
             self.fast_calls += 1
-            if C.lane_take_call(calls, ubatch_id, layer_id, out.data_ptr()):
+            on_host = out.is_cpu and self._on_host
+            if C.lane_take_call(calls, ubatch_id, layer_id, out.data_ptr() if on_host else 0):
+                if not on_host:  # staged: from the slot on the caller's stream
+                    self._rx[0].read(ubatch_id, dtype, size[3], out)
                 return True
             self.bytes_received -= size[2]
             self.fast_calls -= 1
@@ -338,9 +366,11 @@ class FastFrames:
         size = sizes[ubatch_id]
         # Inline checks (see prepared_send): a Python call costs microseconds on
         # a cold cache, and this is the path from the mlp to the attention side.
-        if not (out.dtype == self.dtype and out.is_cpu and out.nbytes == size[5]
-                and out.is_contiguous()) or C.lane_post_call(calls, ubatch_id, layer_id,
-                                                             out.data_ptr()) == 1:
+        if not (out.dtype == self.dtype and out.nbytes == size[5] and out.is_contiguous()):
+            return False
+        src = (out.data_ptr() if out.is_cpu and self._on_host
+               else self._staged_source(peer, ubatch_id, out))
+        if C.lane_post_call(calls, ubatch_id, layer_id, src) == 1:
             return False
         # Sent: the bookkeeping now, while the attention side computes.
         self.bytes_sent += size[1]
@@ -364,7 +394,9 @@ class FastFrames:
         self.bytes_received += received
         self.fast_calls += 1
         if C.lane_take_call(calls, ubatch_id, layer_id, 0):
-            return view
+            # On a device: copied from the slot on this side's stream.
+            return view if view is not None else self._rx[peer].read(ubatch_id, self.dtype,
+                                                                     shape)
         del self._awaiting[key]
         del self._routings[key]
         self.bytes_received -= received
