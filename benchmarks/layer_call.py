@@ -60,11 +60,11 @@ from link_latency import ATTENTION_CORE, FFN_CORE, free_port, pin
 HIDDEN, LAYERS = 2048, 8
 
 
-def link_config(port: int, num_ubatches: int = 1):
+def link_config(port: int, num_ubatches: int = 1, spin_us: int = 50000):
     from vllm.afd.transport.config import LinkConfig
 
     return LinkConfig(connector="shm", port=port, timeout_s=60, num_ubatches=num_ubatches,
-                      connector_extra_config={"spin_us": 50000})
+                      connector_extra_config={"spin_us": spin_us})
 
 
 def pin_side(first: int, cores: int) -> None:
@@ -77,7 +77,8 @@ def pin_side(first: int, cores: int) -> None:
 
 
 def ffn_process(port: int, max_tokens: int, stream_mb: int, ready, commands,
-                num_ubatches: int = 1, device: str = "cpu", cores: int = 1) -> None:
+                num_ubatches: int = 1, device: str = "cpu", cores: int = 1,
+                spin_us: int = 50000) -> None:
     """The FFN end: a real FFNLoop serving LAYERS layers; its mlp's start and
     end times are sent back when asked."""
     pin_side(FFN_CORE * cores, cores)
@@ -99,7 +100,7 @@ def ffn_process(port: int, max_tokens: int, stream_mb: int, ready, commands,
         stamps.append((t0, time.perf_counter()))
         return out
 
-    loop = FFNLoop(link_config(port, num_ubatches).replace(role="ffn"),
+    loop = FFNLoop(link_config(port, num_ubatches, spin_us).replace(role="ffn"),
                    layers=list(range(LAYERS)), compute=mlp,
                    hidden_size=HIDDEN, dtype=torch.bfloat16, max_tokens=max_tokens,
                    placement=FFNPlacement(rank=0, group=[0]), warmup_sizes=[])
@@ -122,7 +123,7 @@ def percentiles(values: list[float]) -> dict:
 
 
 def run(tokens: int, stream_mb: int, steps: int, through: str, device: str = "cpu",
-        cores: int = 1) -> dict:
+        cores: int = 1, spin_us: int = 50000) -> dict:
     import torch
 
     from vllm.afd.attention.link import AttentionLink, StepPlan
@@ -132,14 +133,14 @@ def run(tokens: int, stream_mb: int, steps: int, through: str, device: str = "cp
     ctx = mp.get_context("spawn")
     ready, commands = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=ffn_process, args=(port, tokens, stream_mb, ready, commands, 1,
-                                                 device, cores), daemon=True)
+                                                 device, cores, spin_us), daemon=True)
     proc.start()
     try:
         if ready.get(timeout=120) is not True:
             raise RuntimeError("the FFN loop did not become ready")
         context = DeviceContext.current(device)
-        link = AttentionLink(link_config(port), hidden_size=HIDDEN, dtype=torch.bfloat16,
-                             max_tokens=tokens, device=context)
+        link = AttentionLink(link_config(port, 1, spin_us), hidden_size=HIDDEN,
+                             dtype=torch.bfloat16, max_tokens=tokens, device=context)
         seams = None  # through the link's exchange
         if through == "model":  # the modules add their layers to the process's link
             from vllm.afd.attention import runner  # vLLM's: not on a machine without it
@@ -210,7 +211,8 @@ def run(tokens: int, stream_mb: int, steps: int, through: str, device: str = "cp
     }
 
 
-def run_ubatched(tokens: int, m: int, steps: int, device: str = "cpu", cores: int = 1) -> dict:
+def run_ubatched(tokens: int, m: int, steps: int, device: str = "cpu", cores: int = 1,
+                 spin_us: int = 50000) -> dict:
     """Steps of m micro-batches (tokens split as the runner splits them:
     afd_vs_colocated.split_tokens), ping-ponged as the attention runner does
     (pingpong.py), through the link's exchange; warm, and nothing computed but the FFN's h * 1.0. Per
@@ -229,15 +231,15 @@ def run_ubatched(tokens: int, m: int, steps: int, device: str = "cpu", cores: in
     ctx = mp.get_context("spawn")
     ready, commands = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=ffn_process, args=(port, tokens, 0, ready, commands, m, device,
-                                                 cores), daemon=True)
+                                                 cores, spin_us), daemon=True)
     proc.start()
     split = split_tokens(tokens, m)
     try:
         if ready.get(timeout=120) is not True:
             raise RuntimeError("the FFN loop did not become ready")
         context = DeviceContext.current(device)
-        link = AttentionLink(link_config(port, m), hidden_size=HIDDEN, dtype=torch.bfloat16,
-                             max_tokens=tokens, device=context)
+        link = AttentionLink(link_config(port, m, spin_us), hidden_size=HIDDEN,
+                             dtype=torch.bfloat16, max_tokens=tokens, device=context)
         for layer in range(LAYERS):
             link.add_layer(layer)
         link.start()
@@ -324,6 +326,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cores", type=int, default=1,
                     help="cores per side (the attention side's from 0, the FFN's after "
                          "them; a CUDA process has driver threads too; default %(default)s)")
+    ap.add_argument("--spin-us", type=int, default=50000,
+                    help="the shm link's spin before it sleeps, both ends (default "
+                         "%(default)s: each side has its core)")
     ap.add_argument("--out", type=Path,
                     default=Path(__file__).parent / "results" / "layer_call.json")
     args = ap.parse_args(argv)
@@ -341,7 +346,7 @@ def main(argv=None) -> int:
         "load_average_1m": os.getloadavg()[0],
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None},
         "settings": {"hidden": HIDDEN, "layers": LAYERS, "dtype": "bfloat16",
-                     "connector": "shm", "spin_us": 50000, "steps": args.steps,
+                     "connector": "shm", "spin_us": args.spin_us, "steps": args.steps,
                      "device": args.device, "cores_per_side": args.cores,
                      "cores": {"attention": ATTENTION_CORE, "ffn": FFN_CORE}},
         "cases": []}
@@ -363,7 +368,7 @@ def main(argv=None) -> int:
     for tokens, through, (regime, mb) in itertools.product(
             [int(t) for t in args.tokens.split(",")], throughs, regimes):
         case = {"regime": regime, **run(tokens, mb, args.steps, through, args.device,
-                                        args.cores)}
+                                        args.cores, args.spin_us)}
         results["cases"].append(case)
 
         def cell(key):
@@ -382,7 +387,7 @@ def main(argv=None) -> int:
               "beyond the FFN's mlps")
     for m in ubatches:
         tokens = max(m, *(int(t) for t in args.tokens.split(",")))
-        case = run_ubatched(tokens, m, args.steps, args.device, args.cores)
+        case = run_ubatched(tokens, m, args.steps, args.device, args.cores, args.spin_us)
         results["ubatched"].append(case)
         p = case["beyond_compute_per_call"]
         print(f"  B={tokens:<3} m={m} {case['ubatches']}  beyond compute {p['median_us']:6.1f} / "

@@ -550,3 +550,9 @@ def test_ack_contents_from_the_ffn_are_checked():
         shm._on_ack(msgspec.msgpack.encode(ShmHandshake(
             segments=["vllm-afd-7700-0-a2f-1a2b", "vllm-afd-7700-0-f2a-1a2b"], slot_bytes=slot,
             **dict(RING, ring_entries=4))))
+    # ... and start the slots where the other does (a page of their own).
+    with pytest.raises(ProtocolError, match=rf"slots_offset: expected {doorbell.SLOTS_OFFSET} "
+                       rf"\(the ring, then whole pages\), received {doorbell.RING_BYTES}"):
+        shm._on_ack(msgspec.msgpack.encode(ShmHandshake(
+            segments=["vllm-afd-7700-0-a2f-1a2b", "vllm-afd-7700-0-f2a-1a2b"], slot_bytes=slot,
+            slots_offset=doorbell.RING_BYTES, **RING)))

@@ -76,6 +76,7 @@ benchmarks/README.md.
 """
 
 import logging
+import mmap
 import select
 import time
 
@@ -92,6 +93,10 @@ RING_ENTRIES = 16  # > 1 + 2 x MAX_UBATCHES: a sender never waits in a normal st
 ENTRY_BYTES = 20 * 1024  # an ErrorFrame's 4096 characters of UTF-8 and then some
 _HEAD, _SLEEPING, _TAIL, _ENTRIES = 0, 64, 128, 256
 RING_BYTES = _ENTRIES + RING_ENTRIES * ENTRY_BYTES
+# Where a segment's payload slots start: on a page of their own. A device pins
+# the slots (cudaHostRegister works on whole pages): they share no page with
+# the ring, which the peer writes and spins on meanwhile.
+SLOTS_OFFSET = -(-RING_BYTES // mmap.PAGESIZE) * mmap.PAGESIZE
 DEFAULT_SPIN_US = 0  # see the module docstring: 5000 on cores of their own
 IDLE_SPIN_US = 50
 # The backoff of preempted spins (constants of csrc/cpu/lane.cpp, for docs and tests):

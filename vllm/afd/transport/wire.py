@@ -53,7 +53,8 @@ logger = logging.getLogger(__name__)
 # 6: StepHeader.from_layer (a step resumed mid-way on a standby FFN server).
 # 7: shm messages travel in a shared-memory ring with a doorbell (doorbell.py),
 #    ShmHandshake.ring_entries and ring_entry_bytes.
-PROTOCOL_VERSION = 7
+# 8: shm payload slots start on a page of their own (ShmHandshake.slots_offset).
+PROTOCOL_VERSION = 8
 MAX_TRANSPORT_BYTES = 16 * 1024  # a connector's handshake data
 
 MAX_UBATCHES = 4  # AFDConfig.num_ubatches is 1..4

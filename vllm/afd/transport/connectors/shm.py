@@ -37,7 +37,7 @@ The FFN commits the memory when it creates a segment (posix_fallocate), so a
 too-small /dev/shm is a clear error at connect time, not a SIGBUS mid-step.
 A mapping is never unmapped under a thread still waiting on its ring or
 holding a received view: it goes with the last tensor made from it.
-Memory: 2 x (doorbell.RING_BYTES + num_ubatches x max_tokens x hidden_size x
+Memory: 2 x (doorbell.SLOTS_OFFSET + num_ubatches x max_tokens x hidden_size x
 itemsize) per peer.
 
 The socket is a Linux abstract unix socket named after the port (nothing to
@@ -89,12 +89,14 @@ class ShmHandshake(msgspec.Struct):
     """What the FFN's HelloAck carries for shm (HelloAck.transport): the names of
     the segments made for this peer (attention->FFN, FFN->attention), the
     bytes of one micro-batch slot in each, and the layout of the message ring
-    after the slots (../doorbell.py), which both sides must share."""
+    before the slots (../doorbell.py) and where the slots start, which both
+    sides must share."""
 
     segments: list[str]
     slot_bytes: int
     ring_entries: int
     ring_entry_bytes: int
+    slots_offset: int = doorbell.SLOTS_OFFSET
 
 
 def _unlink(name: str) -> None:
@@ -201,7 +203,7 @@ class ShmConnector(FastFrames, TcpConnector):
         """The message ring first (the same offset on both sides), then this
         side's payload slots: an FFN sized for more micro-batches than the
         attention peer uses makes more slots, which the peer never maps."""
-        return doorbell.RING_BYTES + self.slot_bytes * self.num_ubatches
+        return doorbell.SLOTS_OFFSET + self.slot_bytes * self.num_ubatches
 
     # ------------------------------------------------------------ rendezvous
     @property
@@ -259,13 +261,14 @@ class ShmConnector(FastFrames, TcpConnector):
 
     def _on_confirmed(self, peer: int) -> None:
         writes, reads = self._segments[peer]
-        ring = doorbell.RING_BYTES
-        self._tx[peer] = HostSlots(writes.tensor[ring:], self.slot_bytes, self.num_ubatches,
+        at = doorbell.SLOTS_OFFSET  # the ring, then the slots on a page of their own
+        self._tx[peer] = HostSlots(writes.tensor[at:], self.slot_bytes, self.num_ubatches,
                                    self.ops)
-        self._rx[peer] = HostSlots(reads.tensor[ring:], self.slot_bytes, self.num_ubatches,
+        self._rx[peer] = HostSlots(reads.tensor[at:], self.slot_bytes, self.num_ubatches,
                                    self.ops)
         # From here on messages travel through the rings; the socket only
         # wakes a sleeping receiver and reports a peer's death.
+        ring = doorbell.RING_BYTES
         rings = (doorbell.Ring(writes.tensor[:ring]), doorbell.Ring(reads.tensor[:ring]))
         self._links[peer] = doorbell.RingLink(self._links[peer], *rings, spin_us=self.spin_us,
                                               stream_copies=self.stream_copies)
@@ -284,6 +287,10 @@ class ShmConnector(FastFrames, TcpConnector):
                                 f"{doorbell.RING_ENTRIES} entries of {doorbell.ENTRY_BYTES} "
                                 f"bytes, received {ack.ring_entries} of "
                                 f"{ack.ring_entry_bytes}")
+        if ack.slots_offset != doorbell.SLOTS_OFFSET:
+            raise ProtocolError(f"HelloAck.transport (shm) slots_offset: expected "
+                                f"{doorbell.SLOTS_OFFSET} (the ring, then whole pages), "
+                                f"received {ack.slots_offset}")
         if not self.max_bytes <= ack.slot_bytes <= 2 * self.slot_bytes:
             raise ProtocolError(f"HelloAck.transport (shm) slot_bytes: expected "
                                 f"{self.max_bytes} to {2 * self.slot_bytes}, received "
