@@ -17,8 +17,9 @@ msgspec carried as a wheel for that machine's Python 3.12 (.whl, ignored by git)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/msgspec-*.whl &&
     PYTHONPATH=/tmp/site python3 tools/gpu_check --out $OUT/gpu-check.json
 
-(about 3 minutes, most of it building the op library; its output goes in the
-session note).
+(about a minute on the H200, the op library's build 17-31 s of it; its output
+goes in the session note). First run there on 2026-12-04:
+benchmarks/results/h200-host/README.md.
 
 Checks (each passes, fails, or is skipped with the reason):
   imports       the data plane loads no vllm.* module outside vllm.afd

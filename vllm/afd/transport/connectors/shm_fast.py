@@ -62,10 +62,11 @@ peer reads the slot once the header is out), then posts with the slot itself
 as the source (lane_post_call copies nothing then); the receiver takes the
 frame leaving the payload in its slot, then copies it to the device on the
 consumer's stream, and the slot's event is settled before this side's next
-message on that micro-batch (which lets the peer write the slot again). On
-the H200 host the general path cost 200-440 us a layer call beyond the mlp,
-where the copies and their waits alone (layer_call.py's staging floor) are
-about 60.
+message on that micro-batch (which lets the peer write the slot again): the
+general path's Python and its event per copy are gone, two copies and one
+wait per side remain. On the lent H200 (gVisor) the runs spread too widely
+to show more than B = 1's 14 % (benchmarks/results/h200-host): CUDA's own
+host calls cost 8-100 us each there.
 
 Mixed into ShmConnector (shm.py) ahead of the protocol classes.
 """
