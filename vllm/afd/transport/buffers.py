@@ -49,6 +49,7 @@ class HostSlots:
         self._slots = [memory[u * slot_bytes:(u + 1) * slot_bytes] for u in range(count)]
         self._events: list = [None] * count  # the last read of each slot
         self._spare_events: list = [None] * count  # released, recorded again next read
+        self._own_events: list = [False] * count  # the last read's event is self.ops'
         self._write_events: list = [None] * count  # each slot's device-to-host fence
         self._device_buffers: list[torch.Tensor | None] = [None] * count
         self._views: dict = {}
@@ -105,12 +106,15 @@ class HostSlots:
             out = self._typed(("device", u), buffer, dtype, shape, nbytes)
         ops = self.ops_for(out)
         ops.copy(out, view)
-        if ops is self.ops and self._events[u] is None:
+        if self._events[u] is not None:  # a second read before a release (rare)
+            self.release(u)
+        if ops is self.ops:  # its events are recorded again, read after read
             spare, self._spare_events[u] = self._spare_events[u], None
             self._events[u] = ops.record(spare)
-        else:
-            self.release(u)  # (a second read before a release: rare)
+            self._own_events[u] = True
+        else:  # another device's: a new event (never recorded on this one's stream)
             self._events[u] = ops.record()
+            self._own_events[u] = False
         return out
 
     def view(self, u: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -122,7 +126,8 @@ class HostSlots:
         event, self._events[u] = self._events[u], None
         if event is not None:
             self.ops.wait_host_settled(event)
-            self._spare_events[u] = event
+            if self._own_events[u]:
+                self._spare_events[u] = event
 
     def release_all(self) -> None:
         for u in range(self.count):
