@@ -13,6 +13,7 @@ themselves skipped with the reason.
 """
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -82,3 +83,25 @@ def test_gpu_check_passes_on_cpu(data_plane_tree, kernel_paths):
         assert "m=4" in report[name]["detail"]
     kernel_paths.add("tools/gpu_check --device cpu: " + ", ".join(
         f"{n} {c['status']}" for n, c in report.items()))
+
+
+def test_the_device_script_runs_without_vllm(data_plane_tree, tmp_path):
+    """tools/gpu_check/device_run.sh, what a lent GPU machine runs (no vLLM
+    there, and no time to debug): its shell parses, and its CUDA benchmark
+    call, pointed at the CPU and shortened, runs in the tree without vLLM."""
+    script = GPU_CHECK / "device_run.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text().replace("\\\n", " ")
+    calls = re.findall(r"benchmarks/layer_call\.py (.*?) --out", text)
+    assert len(calls) == 2 and "--device cuda" in calls[0], calls
+    out = tmp_path / "layer_call.json"
+    proc = run_in(data_plane_tree, str(REPO / "benchmarks" / "layer_call.py"), *calls[0].split(),
+                  "--device", "cpu", "--steps", "20", "--tokens", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(c["through"], c["regime"]) for c in result["cases"]] == [
+        ("exchange", "warm"), ("exchange", "cold")]
+    for case in result["cases"]:  # 20 steps of 8 calls: 2 of warm-up, firsts apart
+        assert case["layer_calls"] == 18 * 7 and case["tokens"] == 2, case
+        assert 0 < case["beyond_compute"]["median_us"] <= case["beyond_compute"]["p90_us"]
+    assert [(c["tokens"], c["ubatches"]) for c in result["ubatched"]] == [(2, [1, 1])]

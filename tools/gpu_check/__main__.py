@@ -12,10 +12,10 @@ holds only vllm/afd (git tracks nothing else there), with msgspec installed.
 so only the device-specific lines go unexercised without a GPU.
 
 On the project's lent H200 (tools: device `run`), from the repository root, with
-msgspec carried as a wheel for that machine's Python 3.12 (.whl, ignored by git):
+msgspec carried as a wheel for that machine's Python 3.12 (.whl, ignored by git),
+this check and the GPU benchmark in one command (tools/gpu_check/device_run.sh):
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/msgspec-*.whl &&
-    PYTHONPATH=/tmp/site python3 tools/gpu_check --out $OUT/gpu-check.json
+    bash tools/gpu_check/device_run.sh       # results in $OUT
 
 (about a minute on the H200, the op library's build 17-31 s of it; its output
 goes in the session note). First run there on 2026-12-04:

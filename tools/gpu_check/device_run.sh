@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+#
+# Everything this project checks and measures on a GPU machine without vLLM, in
+# one go (about 2 minutes on the H200): the GPU check (tools/gpu_check), then a
+# layer call through shm with CUDA tensors against the staging floor, then the
+# same on that host's CPU (benchmarks/layer_call.py). Run from the repository
+# root; needs CUDA torch and nvcc, and msgspec (where it is missing, a wheel for
+# that machine's Python in .whl/ is installed into /tmp/site). Writes to $OUT
+# (default /tmp/afd-gpu-out); exits with the GPU check's status.
+#
+#   bash tools/gpu_check/device_run.sh
+set -u
+OUT=${OUT:-/tmp/afd-gpu-out}
+mkdir -p "$OUT"
+if ! python3 -c "import msgspec" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/msgspec-*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
+  nvcc --version | tail -1; lscpu | grep -E 'Model name|^CPU\(s\)'; } 2>&1 | tee "$OUT/machine.txt"
+timeout 300 python3 tools/gpu_check --out "$OUT/gpu-check.json" 2>&1 | tee "$OUT/gpu-check.log"
+status=${PIPESTATUS[0]}
+# The op library the check built, for the benchmark's processes (kernels/ops.py).
+export VLLM_AFD_OP_LIBRARY=${AFD_GPU_CHECK_BUILD:-/tmp/afd-gpu-check-build}/cuda/afd_C.so
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if [ -f "$VLLM_AFD_OP_LIBRARY" ]; then
+  timeout 150 python3 benchmarks/layer_call.py --device cuda --through exchange \
+    --tokens 1,8,64 --steps 300 --ubatches 2 --out "$OUT/layer_call_cuda.json"
+  timeout 150 python3 benchmarks/layer_call.py --device cpu --through exchange \
+    --tokens 1,8 --steps 300 --ubatches 2 --out "$OUT/layer_call_cpu.json"
+fi
+exit "$status"
