@@ -17,8 +17,8 @@ this check and the GPU benchmark in one command (tools/gpu_check/device_run.sh):
 
     bash tools/gpu_check/device_run.sh       # results in $OUT
 
-(about a minute on the H200, the op library's build 17-31 s of it; its output
-goes in the session note). First run there on 2026-12-04:
+(the check about a minute on the H200, the op library's build 17-31 s of it;
+the script about two; their output goes in the session note). First run there on 2026-12-04:
 benchmarks/results/h200-host/README.md.
 
 Checks (each passes, fails, or is skipped with the reason):

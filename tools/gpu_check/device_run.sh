@@ -11,6 +11,11 @@
 # (default /tmp/afd-gpu-out); exits with the GPU check's status.
 #
 #   bash tools/gpu_check/device_run.sh
+#
+# The wheel, fetched beforehand on a machine with an index (.whl/ is git-ignored
+# locally: echo /.whl/ >> .git/info/exclude), for the device's CPython 3.12:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_17_x86_64 -d .whl msgspec==0.23.0
 set -u
 OUT=${OUT:-/tmp/afd-gpu-out}
 mkdir -p "$OUT"
