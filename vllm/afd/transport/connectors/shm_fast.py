@@ -175,7 +175,8 @@ class FastFrames:
             return None
         link = self._links.get(peer)
         if (type(link) is not doorbell.RingLink or t.dtype != self.dtype or not t.is_cpu
-                or not self._on_host or t.shape != (rows, self.hidden_size) or not t.is_contiguous()):
+                or not self._on_host or t.shape != (rows, self.hidden_size)
+                or not t.is_contiguous()):
             return None
         return link
 
