@@ -105,3 +105,27 @@ def test_the_device_script_runs_without_vllm(data_plane_tree, tmp_path):
         assert case["layer_calls"] == 18 * 7 and case["tokens"] == 2, case
         assert 0 < case["beyond_compute"]["median_us"] <= case["beyond_compute"]["p90_us"]
     assert [(c["tokens"], c["ubatches"]) for c in result["ubatched"]] == [(2, [1, 1])]
+
+
+def test_a_built_library_is_named_by_the_environment(data_plane_tree, tmp_path):
+    """A machine without the wheel (the GPU check's) builds the op library and
+    names it in VLLM_AFD_OP_LIBRARY: every process loads that file, the FFN
+    processes the check spawns too, never another one it could find."""
+    from vllm.afd.kernels import ops
+
+    tree = tmp_path / "no-library"
+    shutil.copytree(data_plane_tree / "vllm", tree / "vllm",
+                    ignore=shutil.ignore_patterns("_C*.so", "gpu-check.json"))
+    built = tmp_path / "build" / "afd_C.so"  # as gpu_check's build names it
+    built.parent.mkdir()
+    shutil.copy(ops.library_path(), built)
+    code = ("from vllm.afd.kernels import ops\n"
+            "ops.load()\n"
+            "import torch; assert hasattr(torch.ops.afd, 'pack')\n"
+            "print(ops.library_path())")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True,
+                          text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tree),
+                               "HOME": str(tree), "VLLM_AFD_OP_LIBRARY": str(built)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str(built), proc.stdout + proc.stderr[-2000:]
