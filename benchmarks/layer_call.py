@@ -175,8 +175,6 @@ def run(tokens: int, stream_mb: int, steps: int, through: str, device: str = "cp
         ffn = ready.get(timeout=60)
         stats = link.stats
         if through == "model":
-            from vllm.afd.attention import runner
-
             runner.close_link()
         else:
             link.close()
@@ -215,8 +213,8 @@ def run_ubatched(tokens: int, m: int, steps: int, device: str = "cpu", cores: in
                  spin_us: int = 50000) -> dict:
     """Steps of m micro-batches (tokens split as the runner splits them:
     afd_vs_colocated.split_tokens), ping-ponged as the attention runner does
-    (pingpong.py), through the link's exchange; warm, and nothing computed but the FFN's h * 1.0. Per
-    layer call: the step's wall time beyond the FFN's mlps, over the step's
+    (pingpong.py), through the link's exchange; warm, and nothing computed but
+    the FFN's h * 1.0. Per layer call: the step's wall time beyond the FFN's mlps, over the step's
     m x LAYERS calls: what the link, the turn hand-overs and the FFN loop add
     to a micro-batched step where neither side has work to overlap them with."""
     import torch

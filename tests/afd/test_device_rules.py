@@ -59,6 +59,9 @@ class DeferredOps(DeviceOps):
     def wait_stream(self, event) -> None:
         self.wait_host(event)
 
+    def wait_host_settled(self, event) -> None:  # a future has no query(): wait
+        self.wait_host(event)
+
 
 def shm_pair_on_a_deferred_device():
     """An shm pair whose attention side consumes on the fake asynchronous
@@ -216,6 +219,41 @@ def test_connectors_take_their_device_from_the_caller():
              for line in p.read_text().splitlines() if ".current_device()" in line]
     assert calls == ["transport/device.py:device = torch.device(device.type, "
                      "module.current_device())"], calls
+
+
+def test_a_slot_reuses_only_its_own_devices_events():
+    """A slot's read event is recorded again at its next read, on this side's
+    device; a read into another device's tensor records that device's event,
+    which must never come back as the spare (recorded on the wrong device's
+    stream). Fakes stand in for two devices (none here): each event is a token
+    of the ops that made it."""
+    from vllm.afd.transport.buffers import HostSlots
+
+    class TokenOps(DeviceOps):
+        def __init__(self, name):
+            super().__init__("cpu")
+            self.name, self.recorded = name, []
+
+        def record(self, event=None):
+            self.recorded.append(event)
+            return event or (self.name, len(self.recorded))
+
+        def wait_host_settled(self, event):
+            pass
+
+    own, other = TokenOps("own"), TokenOps("other")
+    slots = HostSlots(torch.zeros(64, dtype=torch.uint8), 64, 1, own)
+    foreign_out, own_out = torch.zeros(4, 4), torch.zeros(4, 4)
+    slots.ops_for = lambda t: other if t is foreign_out else own
+    slots.read(0, torch.float32, (4, 4), own_out)
+    slots.release(0)
+    slots.read(0, torch.float32, (4, 4), own_out)  # its own event again
+    assert own.recorded == [None, ("own", 1)]
+    slots.release(0)
+    slots.read(0, torch.float32, (4, 4), foreign_out)
+    slots.release(0)
+    slots.read(0, torch.float32, (4, 4), own_out)  # not the other device's event
+    assert other.recorded == [None] and own.recorded[-1] == ("own", 1)
 
 
 def test_shm_slots_start_on_pages_of_their_own():

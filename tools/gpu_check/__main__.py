@@ -110,14 +110,10 @@ def ensure_library(device: str) -> str:
     file."""
     from vllm.afd.kernels import ops
 
-    if os.environ.get(ops.LIBRARY_ENV):
-        ops.load()
-        return os.environ[ops.LIBRARY_ENV]
     path = None
-    if device == "cpu":
+    if device == "cpu" or os.environ.get(ops.LIBRARY_ENV):
         try:
-            ops.load()
-            path = ops.library_path()
+            path = ops.library_path()  # the one named there, else the installed one
         except ImportError:
             pass
     if path is None and _build_failure:  # once: every later check reports it

@@ -156,6 +156,7 @@ def fp8_round_trip(x: torch.Tensor, group: int = 128) -> torch.Tensor:
         tokens, groups, group)
     amax = xf.abs().amax(-1, keepdim=True)
     # A tensor divisor (kernels/composite.py says why): IEEE division on CUDA too.
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, 448.0), torch.ones_like(amax))
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, fp8_max), torch.ones_like(amax))
     q = (xf / scale).to(torch.float8_e4m3fn).float() * scale
     return q.view(tokens, groups * group)[:, :hidden].to(x.dtype)

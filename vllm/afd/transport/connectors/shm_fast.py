@@ -144,9 +144,9 @@ class FastFrames:
     def _staged_source(self, peer: int, u: int, t: torch.Tensor) -> int:
         """On a device connector, the address a prepared post sends from: t
         copied into this side's slot u (waited for: the peer reads the slot
-        once the header arrives). Before that,
-        the last read of the received slot u is settled: once the peer has
-        this message it may write that slot again."""
+        once the header arrives). Before that, the last read of the received
+        slot u is settled: once the peer has this message it may write that
+        slot again."""
         self._rx[peer].release(u)
         tx = self._tx[peer]
         tx.write(u, (t,), t.nbytes)
