@@ -256,10 +256,20 @@ def test_calibrate_measures_the_link_in_steps():
     from vllm.afd.planner import calibrate
 
     cores = sorted(os.sched_getaffinity(0))
-    trips, header = calibrate.shm_round_trips([cores[0], cores[-1]], iters=24)
-    assert list(trips) == [t * calibrate.LINK_HIDDEN * 2 for t in calibrate.LINK_TOKENS]
-    assert 0 < header < 0.05 and all(0 < t < 0.05 for t in trips.values())
-    assert trips[max(trips)] > trips[min(trips)]  # 512 KiB each way against 4 KiB
+    for _ in range(2):
+        trips, header = calibrate.shm_round_trips([cores[0], cores[-1]], iters=24)
+        assert list(trips) == [t * calibrate.LINK_HIDDEN * 2 for t in calibrate.LINK_TOKENS]
+        assert 0 < header < 0.05 and all(0 < t < 0.05 for t in trips.values())
+        # The largest payload really crosses: each way it is copied in and out,
+        # 4 x 512 KiB, which no core copies at 100 GB/s.
+        largest = max(trips)
+        assert trips[largest] > 4 * largest / 100e9, trips
+        # 512 KiB each way against 4 KiB; once more when a preempted round (the
+        # suite's other workers share these cores) put the small size above it.
+        if trips[largest] > trips[min(trips)]:
+            break
+    else:
+        raise AssertionError(f"the largest payload was not the slowest, twice: {trips}")
 
 
 def test_a_measured_moe_kernel_prices_the_routed_experts_and_only_them():
