@@ -304,21 +304,18 @@ class AttentionLink:
                 self._fast_ubatches = lead
             self._fast_lead = lead
 
-    def exchange(self, layer_idx: int, hidden_states: torch.Tensor, out: torch.Tensor,
-                 routing: Routing | None = None, ubatch: int | None = None) -> torch.Tensor:
+    def exchange(self, layer_idx: int, hidden_states: torch.Tensor,
+                 out: torch.Tensor | None = None, routing: Routing | None = None,
+                 ubatch: int | None = None) -> torch.Tensor:
         """Layer layer_idx's mlp of hidden_states, computed by the FFN server,
-        written into out (caller-owned, same shape and dtype). routing: the
-        MoE routing (gate_on "attention"). ubatch: the micro-batch; by default
-        the ping-pong turn of this thread (0 outside one)."""
-        plan = self.plan
-        if plan is None:
-            raise RuntimeError(f"AFD attention rank {self.rank}: remote FFN layer "
-                               f"{layer_idx} called outside a step; the model runner names "
-                               f"every forward pass (begin_step)")
-        if not plan.is_real:
-            out.zero_()  # profile, warm-up and capture runs: shapes only
-            return out
-        fast = self._fast
+        written into out (caller-owned, same shape and dtype) and returned.
+        out None: a new contiguous tensor like hidden_states, allocated after
+        the send, while the FFN computes (on a CPU host's cold cache an
+        allocation costs ~15 us, on the path both sides wait on when made
+        before the call). routing: the MoE routing (gate_on "attention").
+        ubatch: the micro-batch; by default the ping-pong turn of this thread
+        (0 outside one)."""
+        fast = self._fast  # set only inside a real step: the checks below hold
         if fast is not None and routing is None and not ubatch:
             t0 = now()
             if fast.prepared_send(layer_idx, 0, hidden_states, out):
@@ -328,6 +325,8 @@ class AttentionLink:
                 member.layer_calls += 1
                 self.stats.layer_calls += 1
                 self._step_calls_left -= 1
+                if out is None:
+                    out = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
                 if fast.prepared_recv(layer_idx, 0, out):
                     elapsed = now() - t0
                     self.stats.wait_s += elapsed  # end_step moves the send's part to send_s
@@ -342,6 +341,16 @@ class AttentionLink:
                 return self._finish_exchange(layer_idx, 0, hidden_states, out, routing, member,
                                              t0, t0, None)
             self._fast = None
+        plan = self.plan
+        if plan is None:
+            raise RuntimeError(f"AFD attention rank {self.rank}: remote FFN layer "
+                               f"{layer_idx} called outside a step; the model runner names "
+                               f"every forward pass (begin_step)")
+        if out is None:
+            out = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+        if not plan.is_real:
+            out.zero_()  # profile, warm-up and capture runs: shapes only
+            return out
         hidden_states = hidden_states.contiguous()  # sends read its bytes as they lie
         turn = pingpong.current_turn()
         pp, u = turn if turn is not None else (None, 0)

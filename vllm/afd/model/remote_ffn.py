@@ -19,9 +19,12 @@ it graph-safe:
 In a model that is never traced (compilation mode NONE: enforce_eager),
 forward calls the op's function itself: the dispatcher's round trip into a
 Python kernel costs ~4 us per layer on a warm host (benchmarks/layer_call.py,
-"model" rows). What runs is the same function either way. The choice is made
-once, from the config: torch.compiler.is_compiling() would cost ~10 us per call
-on a CPU host's cold cache, more than it saves there.
+"model" rows). What runs is the same function either way, except that the
+eager forward leaves the output's allocation to the link, which makes it
+after the send, while the FFN computes (an allocation costs ~15 us on a CPU
+host's cold cache, on the path both sides wait on when made before). The
+choice is made once, from the config: torch.compiler.is_compiling() would cost
+~10 us per call on a CPU host's cold cache, more than it saves there.
 
 With gate_on "attention" a MoE layer's RemoteFFN also owns the layer's router
 gate (submodule `gate`, loaded from the checkpoint's `mlp.gate.*`) and routes
@@ -69,12 +72,14 @@ class RemoteFFN(nn.Module):
         return super().__call__(*args, **kwargs)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.eager:
+            # The link allocates the output once the hidden states are sent, while
+            # the FFN computes (link.exchange without `out`): an allocation costs
+            # ~15 us on a CPU host's cold cache.
+            return _exchange(hidden_states, None, self.layer_idx)
         # Contiguous whatever the input's strides: the link writes rows of bytes.
         output = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
-        if self.eager:
-            _afd_remote_ffn(hidden_states, output, self.layer_idx)
-        else:
-            torch.ops.vllm.afd_remote_ffn(hidden_states, output, self.layer_idx)
+        torch.ops.vllm.afd_remote_ffn(hidden_states, output, self.layer_idx)
         return output
 
     def extra_repr(self) -> str:
@@ -82,8 +87,10 @@ class RemoteFFN(nn.Module):
         return f"layer_idx={self.layer_idx}{routed}"
 
 
-def _afd_remote_ffn(hidden_states: torch.Tensor, output: torch.Tensor,
-                    layer_idx: int) -> None:
+def _exchange(hidden_states: torch.Tensor, output: torch.Tensor | None,
+              layer_idx: int) -> torch.Tensor:
+    """The layer's mlp of hidden_states from the FFN server, in output (None:
+    a new tensor)."""
     remote = _routed.get(layer_idx)
     link = get_link()
     routing = None
@@ -91,7 +98,12 @@ def _afd_remote_ffn(hidden_states: torch.Tensor, output: torch.Tensor,
         routing = remote.router(hidden_states)
     # Not made contiguous here: exchange's fast path checks that itself, and
     # its general path makes it so (one tensor method less on a cold cache).
-    link.exchange(layer_idx, hidden_states, output, routing)
+    return link.exchange(layer_idx, hidden_states, output, routing)
+
+
+def _afd_remote_ffn(hidden_states: torch.Tensor, output: torch.Tensor,
+                    layer_idx: int) -> None:
+    _exchange(hidden_states, output, layer_idx)
 
 
 def _afd_remote_ffn_fake(hidden_states: torch.Tensor, output: torch.Tensor,
