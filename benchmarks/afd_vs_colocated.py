@@ -300,9 +300,13 @@ def summarize(args: argparse.Namespace, plain: dict, afd: dict[int, dict], floor
         for b, runs in run["batches"].items():
             s = decode_summary(runs, int(b), n)
             s["ratio_vs_plain"] = s["tokens_per_s"] / plain_by_b[b]["tokens_per_s"]
-            chosen = chosen_ubatches(run.get("ubatches", {}).get(b), int(b))
+            bucket = rule_bucket(run.get("ubatches", {}).get(b), int(b))
+            chosen = bucket.get("chosen")
             if policy == "auto":
                 s["chosen_ubatches"] = chosen
+                # Every decode step of B tokens the engine ran with each m (the
+                # warm-up's and the prefill-only runs' included): what probing cost.
+                s["ubatch_steps"] = bucket.get("steps", {})
             floor_m = str(min(chosen or 1, m)) if policy == "auto" else str(m)
             floor_b = floor.get(floor_m, floor[str(args.ubatches[0])])[b]
             s["split_ms"] = step_split(runs, n, floor_b)
@@ -348,15 +352,15 @@ def spin_counts(runs: list[dict]) -> dict:
             for side in ("attention", "ffn")}
 
 
-def chosen_ubatches(document: dict | None, b: int) -> int | None:
-    """The m the rule settled on for B-token decode steps, from the link's
-    `ubatches` document read after that batch size's runs: the choice of the
-    bucket holding b, or None while it was still probing."""
+def rule_bucket(document: dict | None, b: int) -> dict:
+    """The micro-batch rule's state for B-token decode steps, from the link's
+    `ubatches` document read after that batch size's runs: the bucket holding
+    b (its `chosen` m, None while still probing; its `steps` per m), or {}."""
     for bucket, state in ((document or {}).get("buckets") or {}).items():
         lo, _, hi = bucket.partition("-")
         if int(lo) <= b <= int(hi or lo):
-            return state.get("chosen")
-    return None
+            return state
+    return {}
 
 
 def overlap_bound(configs: dict, plain_by_b: dict) -> dict:
@@ -500,8 +504,11 @@ def print_tables(res: dict) -> None:
            for c in res["afd"].values()):
         print("(a step of B tokens has min(m, B) micro-batches: where B < m, m is that number)")
     if "afd_auto" in res["afd"]:
-        picks = ", ".join(f"B={b}: m={r.get('chosen_ubatches') or '?'}"
-                          for b, r in res["afd"]["afd_auto"]["batches"].items())
+        picks = ", ".join(
+            f"B={b}: m={r.get('chosen_ubatches') or '?'}"
+            + (" (steps " + " ".join(f"m={m}:{n}" for m, n in r["ubatch_steps"].items()) + ")"
+               if len(r.get("ubatch_steps") or {}) > 1 else "")
+            for b, r in res["afd"]["afd_auto"]["batches"].items())
         print(f"auto: the micro-batch rule's choice for decode steps: {picks}")
     print_split(res)
 

@@ -18,6 +18,11 @@ measures instead of modelling:
 - Probing: the candidates take turns (1, 2, ..., 1, 2, ...) until each has
   PROBES timed steps. The first step of each candidate in a bucket is not
   counted (a shape's first run pays for allocations and kernel set-up).
+- A candidate that measures more than ELIMINATE slower than the best one
+  measured so far in the round stops probing there: with one core per role a
+  step at a clearly losing m costs a third more (m = 1 at B = 8 on the 2-core
+  VM), and three of them per round were most of what "auto" lost to the best
+  fixed m in `make bench`.
 - Then the bucket runs its best candidate: the estimate of a candidate is the
   median of its last WINDOW step times per token, and a larger m is taken only
   when it is at least MARGIN faster than the best smaller one, so a tie keeps
@@ -25,8 +30,10 @@ measures instead of modelling:
 - Every REPROBE_EVERY steps of a bucket the candidates are probed again
   (PROBES fresh steps each): load and batch mix change. The chosen one's
   window is refreshed by every step it runs; when, over WINDOW steps, it has
-  become slower than another candidate was when last measured (by MARGIN),
-  the round starts at once.
+  become slower than another candidate was when last measured, by MARGIN plus
+  NOISE_K times its own window's spread (the median absolute deviation over
+  the median: step times on a shared host scatter by 5-12 %, and a bare MARGIN
+  started a round every few windows there), the round starts at once.
 
 A step's time is taken by the caller from the choice (before vLLM builds the
 per-micro-batch attention metadata) to the end of the model forward, and
@@ -54,6 +61,8 @@ WARMUP_STEPS = 1  # first steps of a candidate in a bucket, not counted
 WINDOW = 5  # latest step times kept per candidate (the estimate is their median)
 REPROBE_EVERY = 200  # steps of a bucket between probe rounds
 MARGIN = 0.03  # a larger m must be this much faster (per token) to be chosen
+ELIMINATE = 0.25  # a candidate this much slower than the round's best stops probing
+NOISE_K = 2.0  # the chosen m's spreads beyond MARGIN before it counts as fallen behind
 
 
 def bucket_edges(limit: int) -> list[int]:
@@ -76,6 +85,14 @@ class _Candidate:
 
     def estimate(self) -> float | None:
         return statistics.median(self.window) if self.window else None
+
+    def spread(self) -> float:
+        """The window's median absolute deviation over its median (0 for fewer
+        than three steps)."""
+        if len(self.window) < 3:
+            return 0.0
+        mid = statistics.median(self.window)
+        return statistics.median(abs(x - mid) for x in self.window) / mid if mid else 0.0
 
 
 class _Bucket:
@@ -113,6 +130,7 @@ class _Bucket:
         c.window.append(seconds / tokens)
         if self.probing:
             c.probed += 1
+            self._eliminate()
             if all(x.probed >= PROBES for x in self.candidates):
                 self._decide()
         else:
@@ -122,14 +140,26 @@ class _Bucket:
                 for x in self.candidates:
                     x.probed = 0
 
+    def _eliminate(self) -> None:
+        """Candidates of this round measured ELIMINATE slower than its best so
+        far are done probing (their estimate stands for the decision)."""
+        measured = [x for x in self.candidates if x.probed]
+        best = min(x.estimate() for x in measured)
+        for x in measured:
+            if x.probed < PROBES and x.estimate() > best * (1 + ELIMINATE):
+                x.probed = PROBES
+
     def _chosen_fell_behind(self) -> bool:
         """The chosen count, over WINDOW steps run since the decision, is now
-        slower than another candidate was when last measured: measure again
-        now rather than at the next regular round."""
+        slower than another candidate was when last measured, by more than its
+        own steps scatter: measure again now rather than at the next regular
+        round."""
         if self.since_probe < WINDOW:
             return False
-        mine = self.candidates[self.chosen - 1].estimate()
-        return any(c.estimate() * (1 + MARGIN) < mine
+        chosen = self.candidates[self.chosen - 1]
+        mine = chosen.estimate()
+        margin = MARGIN + NOISE_K * chosen.spread()
+        return any(c.estimate() * (1 + margin) < mine
                    for c in self.candidates if c.m != self.chosen and c.window)
 
     def _decide(self) -> None:
