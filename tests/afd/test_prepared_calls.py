@@ -332,6 +332,62 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps():
         loop.stop()
 
 
+@pytest.mark.parametrize("path", ["one micro-batch", "micro-batched", "general"])
+def test_an_output_the_caller_does_not_give_is_made_after_the_send(path):
+    """exchange without `out` (an eager RemoteFFN's call) allocates the output
+    once the hidden states are out, on each path: the prepared calls of one
+    micro-batch and of several, and the general send. On a CPU host's cold
+    cache an allocation costs ~15 us: made after the send, the FFN computes
+    meanwhile; made before, both sides wait for it."""
+    from test_connectors import free_port
+    from test_graph_rules import ALLOCATING, AtenOps
+
+    port = free_port()
+    config = dict(connector="shm", port=port, timeout_s=10, num_ubatches=2)
+    loop = FFNLoop(LinkConfig(role="ffn", **config), layers=[0, 1],
+                   compute=lambda layer, h, routing: h * 2 + layer, hidden_size=HIDDEN,
+                   dtype=torch.float32, max_tokens=32, placement=FFNPlacement(0, [0]),
+                   warmup_sizes=[])
+    loop.start()
+    link = AttentionLink(LinkConfig(**config), hidden_size=HIDDEN, dtype=torch.float32,
+                         max_tokens=32)
+    for layer in (0, 1):
+        link.add_layer(layer)
+    try:
+        assert loop.ready.wait(10)
+        link.start()
+        rows = (3,) if path == "one micro-batch" else (2, 3)
+        link.begin_step(StepPlan(num_tokens=rows))
+        if path == "general":
+            link._fast = link._fast_ubatches = None
+            sender, name = link._member, "send_hidden"
+        else:
+            assert (link._fast if len(rows) == 1 else link._fast_ubatches) is not None
+            sender, name = link._fast_lead, "prepared_send"
+        for layer in (0, 1):
+            for u, n in enumerate(rows):
+                h = torch.randn(n, HIDDEN)
+                with AtenOps() as ops:
+                    send = getattr(sender, name)
+
+                    def sending(*args, send=send, names=ops.names):
+                        names.append("<sent>")
+                        return send(*args)
+
+                    setattr(sender, name, sending)  # an instance attribute, over the method
+                    try:
+                        out = link.exchange(layer, h, ubatch=u if len(rows) > 1 else None)
+                    finally:
+                        delattr(sender, name)
+                assert torch.equal(out, h * 2 + layer)
+                allocations = [i for i, op in enumerate(ops.names) if op in ALLOCATING]
+                assert allocations and ops.names.index("<sent>") < allocations[0], ops.names
+        link.end_step()
+    finally:
+        link.close()
+        loop.stop()
+
+
 @pytest.mark.parametrize("connector", ["shm", "tcp"])
 def test_tensors_the_transport_cannot_take_fail_no_link(connector):
     """exchange's tensors are the caller's: a strided `out` gets the output

@@ -346,11 +346,10 @@ class AttentionLink:
             raise RuntimeError(f"AFD attention rank {self.rank}: remote FFN layer "
                                f"{layer_idx} called outside a step; the model runner names "
                                f"every forward pass (begin_step)")
-        if out is None:
-            out = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
-        if not plan.is_real:
-            out.zero_()  # profile, warm-up and capture runs: shapes only
-            return out
+        if not plan.is_real:  # profile, warm-up and capture runs: shapes only
+            if out is None:
+                return torch.zeros_like(hidden_states, memory_format=torch.contiguous_format)
+            return out.zero_()
         hidden_states = hidden_states.contiguous()  # sends read its bytes as they lie
         turn = pingpong.current_turn()
         pp, u = turn if turn is not None else (None, 0)
@@ -383,19 +382,22 @@ class AttentionLink:
             failed_at = now()
             self._fail_over(member, e, where)
         t1 = now()
+        if out is None:  # made after the send (see the docstring)
+            out = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
         if pp is not None:
             pp.yield_turn(u)
         return self._finish_exchange(layer_idx, u, hidden_states, out, routing, member, t0,
                                      t1, failed_at)
 
     def _exchange_prepared(self, fast, member, pp, u: int, layer_idx: int,
-                           hidden_states: torch.Tensor, out: torch.Tensor):
+                           hidden_states: torch.Tensor, out: torch.Tensor | None):
         """A micro-batched step's layer call through the lead's prepared calls:
-        send, pass the turn, receive. None: nothing was sent (the general path
-        sends it). The call stays in _pending until its output is in, so a
-        failover while the other micro-batches hold the turn sends it again.
-        The send is counted as waiting, as the one micro-batch path's: end_step
-        moves the prepared sends' own time (take_exchange_send_s) to send_s."""
+        send, pass the turn, receive (into out, made once the turn is back when
+        None). None: nothing was sent (the general path sends it). The call
+        stays in _pending until its output is in, so a failover while the other
+        micro-batches hold the turn sends it again. The send is counted as
+        waiting, as the one micro-batch path's: end_step moves the prepared
+        sends' own time (take_exchange_send_s) to send_s."""
         self._pending[u] = (layer_idx, hidden_states, None)
         t0 = now()
         if not fast.prepared_send(layer_idx, u, hidden_states, out):
@@ -405,6 +407,11 @@ class AttentionLink:
         stats.wait_s += now() - t0
         if pp is not None:
             pp.yield_turn(u)
+        if out is None:
+            # Here, not before the send: where the FFN bounds the step it
+            # computes this micro-batch meanwhile; elsewhere the attention core
+            # pays for it wherever it is made.
+            out = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
         t2 = now()
         if self._member is member:
             if fast.prepared_recv(layer_idx, u, out):

@@ -107,7 +107,7 @@ class AttentionSide:
         return False
 
     def prepared_send(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
-                      out: torch.Tensor) -> bool:
+                      out: torch.Tensor | None) -> bool:
         """send_hidden(layer_id, ubatch_id, h), with out the output's buffer to
         come; False: nothing was sent (send_hidden and recv_output as usual)."""
         return False

@@ -263,7 +263,7 @@ class FastFrames:
         return self._prepared.get(0) is not None
 
     def prepared_send(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
-                      out: torch.Tensor) -> bool:
+                      out: torch.Tensor | None) -> bool:
         prepared = self._prepared.get(0)
         if prepared is None or self._in_flight or self._failure is not None:
             return False
