@@ -82,6 +82,12 @@ class StepPlan:
         return self.kind == REAL
 
 
+def _output_like(hidden_states: torch.Tensor) -> torch.Tensor:
+    """The output exchange makes when the caller gives none: contiguous, like
+    hidden_states (the link writes rows of bytes)."""
+    return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+
+
 class AttentionLink:
     def __init__(self, config: LinkConfig, *, hidden_size: int, dtype: torch.dtype,
                  max_tokens: int, rank: int = 0, fingerprint: dict[str, str] | None = None,
@@ -326,7 +332,7 @@ class AttentionLink:
                 self.stats.layer_calls += 1
                 self._step_calls_left -= 1
                 if out is None:
-                    out = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+                    out = _output_like(hidden_states)
                 if fast.prepared_recv(layer_idx, 0, out):
                     elapsed = now() - t0
                     self.stats.wait_s += elapsed  # end_step moves the send's part to send_s
@@ -383,7 +389,7 @@ class AttentionLink:
             self._fail_over(member, e, where)
         t1 = now()
         if out is None:  # made after the send (see the docstring)
-            out = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+            out = _output_like(hidden_states)
         if pp is not None:
             pp.yield_turn(u)
         return self._finish_exchange(layer_idx, u, hidden_states, out, routing, member, t0,
@@ -411,7 +417,7 @@ class AttentionLink:
             # Here, not before the send: where the FFN bounds the step it
             # computes this micro-batch meanwhile; elsewhere the attention core
             # pays for it wherever it is made.
-            out = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+            out = _output_like(hidden_states)
         t2 = now()
         if self._member is member:
             if fast.prepared_recv(layer_idx, u, out):
