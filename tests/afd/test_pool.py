@@ -240,6 +240,9 @@ COMMON = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
           "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
           "--no-enable-prefix-caching"]
 LONG_TOKENS = 96  # the streamed completion that outlives a kill
+# The stream of the attention server killed in act 3: long enough that the kill lands
+# mid-stream on a fast host (with LONG_TOKENS it had ended before, now and then).
+KILLED_STREAM_TOKENS = 4 * LONG_TOKENS
 CONCURRENT = 8
 STALL_BOUND_S = 5.0  # a surviving attention server's stream never pauses longer
 
@@ -309,11 +312,12 @@ def test_pool_of_ffn_servers_under_kills(models_dir, tmp_path):
             return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
                                  timeout=120)
 
-        def stream(server: Server, started: threading.Event | None = None) -> dict:
+        def stream(server: Server, started: threading.Event | None = None,
+                   max_tokens: int = LONG_TOKENS) -> dict:
             """The long greedy stream: its token ids and the longest gap."""
             ids, gaps, last = [], [], time.monotonic()
             for i, chunk in enumerate(client(server).completions.create(
-                    model=str(model), prompt=long_prompt, max_tokens=LONG_TOKENS,
+                    model=str(model), prompt=long_prompt, max_tokens=max_tokens,
                     temperature=0, stream=True,
                     extra_body={"ignore_eos": True, "return_token_ids": True})):
                 ids += chunk.choices[0].token_ids or []
@@ -390,7 +394,8 @@ def test_pool_of_ffn_servers_under_kills(models_dir, tmp_path):
             assert time.monotonic() < deadline, [status(s)["pool"] for s in attns]
             time.sleep(0.2)
         started = [threading.Event(), threading.Event()]
-        streams = [work.submit(stream, attns[r], started[r]) for r in (0, 1)]
+        streams = [work.submit(stream, attns[0], started[0]),
+                   work.submit(stream, attns[1], started[1], KILLED_STREAM_TOKENS)]
         for event in started:
             assert event.wait(120)
         # At once: the survivor's 90 tokens left take about half a second on a
