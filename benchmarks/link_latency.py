@@ -6,7 +6,7 @@ The attention side (this process, core 0) sends one micro-batch's hidden
 states and waits for the answer; an echo FFN (another process, core 1) sends
 every hidden state straight back: the link's own cost, no compute. Twice: as
 the attention link makes a layer call of a one-micro-batch step (`round_trip`:
-the connector's prepared calls where it has them, shm) and through
+the connector's prepared calls: shm's lane, tcp's socket calls) and through
 send_hidden + recv_output (`round_trip_general`: micro-batched steps); the
 echo answers as the FFN loop does (reply_and_recv). Each size
 runs `--iters` round trips after a warm-up; median, p10 and p99 are reported.
@@ -200,6 +200,8 @@ def measure(connector: str, extra: dict, iters: int, idle_s: float) -> dict:
     idle["idle_cpu_percent"] = 100 * idle["idle_cpu_s"] / max(idle["idle_wall_s"], 1e-9)
     if connector == "shm" and not attn.fast_calls:
         raise RuntimeError("the shm connector's fast path was never taken")
+    if connector == "tcp" and not attn.socket_calls:
+        raise RuntimeError("the tcp connector's prepared calls were never taken")
     return {**results, "idle": idle}
 
 

@@ -288,4 +288,8 @@ PyMethodDef afd_lane_methods[] = {
     {"lane_take_call", lane_take_call, METH_VARARGS, nullptr},
     {"lane_call_times", lane_call_times, METH_VARARGS, nullptr},
     {"copy_floor", copy_floor, METH_VARARGS, nullptr},
+    {"sock_prepare", sock_prepare, METH_VARARGS, nullptr},
+    {"sock_post_call", sock_post_call, METH_VARARGS, nullptr},
+    {"sock_take_call", sock_take_call, METH_VARARGS, nullptr},
+    {"sock_call_times", sock_call_times, METH_VARARGS, nullptr},
     {nullptr, nullptr, 0, nullptr}};

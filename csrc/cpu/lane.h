@@ -169,4 +169,10 @@ PyObject* lane_take_call(PyObject*, PyObject* args);
 PyObject* lane_call_times(PyObject*, PyObject* args);
 PyObject* copy_floor(PyObject*, PyObject* args);  // copy_floor.cpp
 
+// A step's layer calls over a tcp socket (sock_calls.cpp).
+PyObject* sock_prepare(PyObject*, PyObject* args);
+PyObject* sock_post_call(PyObject*, PyObject* args);
+PyObject* sock_take_call(PyObject*, PyObject* args);
+PyObject* sock_call_times(PyObject*, PyObject* args);
+
 }  // namespace afd_lane

@@ -140,6 +140,8 @@ CASES = [
     # softmax top-k). DeepSeek-V3 (grouped top-k with a correction bias) with
     # its routers on the attention role is test_deepseek_v3_... below.
     ("tiny-qwen3-moe", "shm", True, 2, "attention"),
+    # tcp's prepared layer calls (tcp_fast.py), one micro-batch and two.
+    ("tiny-qwen3-moe", "tcp", False, 2, "ffn"),
 ]
 
 

@@ -118,6 +118,7 @@ class NcclConnector(TcpConnector):
     stages_through_host = False  # payloads stay on the device: both peers on CUDA
     # No spin_us (refused, so its header socket never spins): never run on a GPU yet.
     extra_config_keys = frozenset()
+    prepares_socket_calls = False  # payloads go through NCCL, not the header socket
 
     def __init__(self, afd_config, *, communicator_factory: CommunicatorFactory | None = None,
                  **kwargs) -> None:

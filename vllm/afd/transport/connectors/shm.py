@@ -175,6 +175,7 @@ class ShmConnector(FastFrames, TcpConnector):
     stages_through_host = True
     extra_config_keys = frozenset({"notify", "spin_us", "stream_copies"})
     spins_on_socket = False  # its waits spin on the rings (../doorbell.py)
+    prepares_socket_calls = False  # payloads go through the lane (shm_fast.py)
 
     def __init__(self, afd_config, **kwargs) -> None:
         super().__init__(afd_config, **kwargs)

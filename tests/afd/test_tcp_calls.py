@@ -1,0 +1,289 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""The tcp connector's prepared layer calls (tcp_fast.py, csrc/cpu/sock_calls.cpp):
+a step's layer calls take them on both ends, outputs are exact, and every
+surprise (an error frame, a goodbye, a late answer, a frame the general path
+wrote) is read by the general receive and raises what it always did; a peer
+that stops mid-payload fails the connector with the payload's error. Real
+connectors over loopback TCP, in threads of one process; the latency they save
+is measured by `make bench-link` (round trip by payload), not here."""
+
+import socket
+import time
+
+import pytest
+import torch
+from test_connectors import HIDDEN, Background, free_port
+from test_prepared_calls import prepared_steps, reply_echo
+
+from vllm.afd.attention.link import AttentionLink, StepPlan
+from vllm.afd.config import AFDConfig
+from vllm.afd.ffn.loop import FFNLoop
+from vllm.afd.topology import FFNPlacement
+from vllm.afd.transport.config import LinkConfig
+from vllm.afd.transport.connectors.base import AFDConnectionError, create_connector
+from vllm.afd.transport.connectors.tcp import SocketLink
+from vllm.afd.transport.connectors.tcp_fast import socket_frame_template
+from vllm.afd.transport.wire import StepHeader
+
+
+def tcp(role: str, port: int, *, spin_us: int = 20_000, timeout_s: float = 10,
+        num_ubatches: int = 1):
+    cfg = AFDConfig(role=role, connector="tcp", port=port, timeout_s=timeout_s,
+                    num_ubatches=num_ubatches, connector_extra_config={"spin_us": spin_us})
+    return create_connector(cfg, hidden_size=HIDDEN, dtype=torch.float32, max_tokens=16)
+
+
+def tcp_pair(**kwargs):
+    port = free_port()
+    ffn, attn = tcp("ffn", port, **kwargs), tcp("attention", port, **kwargs)
+    accepting = Background(ffn.accept)
+    attn.connect()
+    accepting.join_result()
+    return ffn, attn
+
+
+def test_layer_calls_go_through_prepared_calls_on_both_ends():
+    """Steps of several sizes: every message end of every layer call is a
+    prepared call (the C side's count agrees), outputs are exact, and the
+    byte counters say what went over the socket."""
+    steps, layers = [3, 1, 16, 7], 4
+    ffn, attn = tcp_pair()
+    server = Background(reply_echo, ffn, layers, None)
+    try:
+        prepared_steps(attn, steps, layers)
+        calls = len(steps) * layers
+        assert attn.socket_calls == 2 * calls
+        capsule, C, _ = attn._socket_prepared[0]
+        send_ns, wait_ns, sent = C.sock_call_times(capsule)
+        assert sent == layers and send_ns > 0 and wait_ns > 0  # the last step's
+        assert attn.take_exchange_send_s() == pytest.approx(send_ns * 1e-9)
+        assert attn.take_exchange_send_s() == 0.0  # taken
+    finally:
+        attn.close()
+        assert server.join_result() == len(steps)
+    # The FFN's first receive of a step (recv_hidden) and last send
+    # (send_output) are prepared calls too.
+    assert ffn.socket_calls == 2 * calls
+    payload = sum(steps) * layers * HIDDEN * 4
+    header = sum(len(socket_frame_template(torch.float32, rows, HIDDEN, SocketLink.prefix)[0])
+                 for rows in steps) * layers
+    assert ffn.bytes_received - attn.bytes_sent == 0
+    assert attn.bytes_received == ffn.bytes_sent
+    assert ffn.bytes_sent >= payload + header  # and the goodbye's, the step headers'
+    ffn.close()
+
+
+def test_the_general_paths_frames_are_read_by_the_general_receive():
+    """The attention side sends through the general path (its frames encode
+    small integers minimally, not as the template): the FFN's prepared
+    receive finds them unequal, leaves them, and the general receive reads
+    them; the replies, prepared, are read by the general receive alike."""
+    ffn, attn = tcp_pair()
+    server = Background(reply_echo, ffn, 3, None)
+    try:
+        attn.send_step(StepHeader(step_id=1, num_tokens=[5]))
+        for layer in range(3):
+            h = torch.randn(5, HIDDEN)
+            attn.send_hidden(layer, 0, h)
+            assert torch.equal(attn.recv_output(layer, 0), h * 2 + layer)
+        assert attn.socket_calls == 0
+    finally:
+        attn.close()
+        assert server.join_result() == 1
+    # Three hidden states received generally; three outputs sent prepared.
+    assert ffn.socket_calls == 3
+    ffn.close()
+
+
+def test_an_error_frame_instead_of_the_output_is_raised_by_the_general_receive():
+    ffn, attn = tcp_pair()
+
+    def fail():
+        ffn.recv_step(0)
+        ffn.recv_hidden(0, 0, 0)
+        ffn.report_error("the mlp of layer 0 failed: out of memory")
+
+    server = Background(fail)
+    attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
+    h, out = torch.randn(2, HIDDEN), torch.empty(2, HIDDEN)
+    assert attn.prepared_send(0, 0, h, out)
+    server.join_result()
+    assert not attn.prepared_recv(0, 0, out)
+    with pytest.raises(AFDConnectionError, match="out of memory"):
+        attn.recv_output(0, 0, out=out)
+    attn.close()
+    ffn.close()
+
+
+def test_a_goodbye_instead_of_the_next_hidden_states_is_raised_by_the_general_receive():
+    ffn, attn = tcp_pair()
+    attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
+    h, out = torch.randn(2, HIDDEN), torch.empty(2, HIDDEN)
+    assert attn.prepared_send(0, 0, h, out)
+    ffn.recv_step(0)
+    got = ffn.recv_hidden(0, 0, 0)
+    replying = Background(ffn.reply_and_recv, 0, 0, 0, got * 2, 1, 0)
+    assert attn.prepared_recv(0, 0, out) and torch.equal(out, h * 2)
+    attn.close()  # says goodbye
+    with pytest.raises(AFDConnectionError, match="goodbye"):
+        replying.join_result()
+    ffn.close()
+
+
+def test_an_answer_later_than_the_prepared_wait_arrives_through_the_general_path(
+        monkeypatch):
+    from vllm.afd.transport import doorbell
+
+    monkeypatch.setattr(doorbell, "FAST_WAIT_MS", 20)
+    ffn, attn = tcp_pair(spin_us=0)
+
+    def slow():
+        ffn.recv_step(0)
+        h = ffn.recv_hidden(0, 0, 0)
+        time.sleep(0.2)
+        ffn.send_output(0, 0, 0, h + 1)
+
+    server = Background(slow)
+    attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
+    h, out = torch.randn(2, HIDDEN), torch.empty(2, HIDDEN)
+    assert attn.prepared_send(0, 0, h, out)
+    t0 = time.monotonic()
+    assert not attn.prepared_recv(0, 0, out)
+    assert time.monotonic() - t0 < 0.15
+    assert attn.recv_output(0, 0, out=out) is out and torch.equal(out, h + 1)
+    server.join_result()
+    attn.close()
+    ffn.close()
+
+
+def expected_frame(step: int, layer: int, ubatch: int, rows: int) -> tuple[bytes, int]:
+    """The prepared frame's bytes up to its payload, and the payload's size."""
+    encoded, step_at, layer_at, ubatch_at, nbytes = socket_frame_template(
+        torch.float32, rows, HIDDEN, SocketLink.prefix)
+    frame = bytearray(encoded)
+    for at, value, width in ((step_at, step, 8), (layer_at, layer, 4), (ubatch_at, ubatch, 4)):
+        frame[at:at + width] = value.to_bytes(width, "big")
+    return bytes(frame), nbytes
+
+
+def test_a_peer_that_stops_mid_payload_fails_the_connector_with_the_payloads_error():
+    """The FFN's header arrives (the expected one), half its payload, then
+    nothing: the prepared receive, past the header, cannot give the frame
+    back; the connector fails with the general path's error for a payload
+    that did not come, and the caller's general receive raises it."""
+    ffn, attn = tcp_pair(timeout_s=0.5)
+    attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
+    h, out = torch.randn(2, HIDDEN), torch.empty(2, HIDDEN)
+    assert attn.prepared_send(0, 0, h, out)
+    ffn.recv_step(0)
+    ffn.recv_hidden(0, 0, 0)
+    frame, nbytes = expected_frame(1, 0, 0, 2)
+    ffn._links[0].sock.setblocking(True)
+    ffn._links[0].sock.sendall(frame + bytes(nbytes // 2))
+    t0 = time.monotonic()
+    assert not attn.prepared_recv(0, 0, out)
+    assert 0.4 < time.monotonic() - t0 < 5
+    with pytest.raises(AFDConnectionError, match="receiving the payload of the output of "
+                                                 "layer 0 ubatch 0"):
+        attn.recv_output(0, 0, out=out)
+    attn.close()
+    ffn.close()
+
+
+def test_a_peer_gone_mid_payload_fails_the_connector_at_once():
+    ffn, attn = tcp_pair()
+    attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
+    h, out = torch.randn(2, HIDDEN), torch.empty(2, HIDDEN)
+    assert attn.prepared_send(0, 0, h, out)
+    ffn.recv_step(0)
+    ffn.recv_hidden(0, 0, 0)
+    frame, nbytes = expected_frame(1, 0, 0, 2)
+    sock = ffn._links[0].sock
+    sock.setblocking(True)
+    sock.sendall(frame + bytes(nbytes // 2))
+    sock.shutdown(socket.SHUT_RDWR)
+    assert not attn.prepared_recv(0, 0, out)
+    with pytest.raises(AFDConnectionError, match="closed the connection .* received the "
+                                                 "payload of the output of layer 0"):
+        attn.recv_output(0, 0, out=out)
+    attn.close()
+    ffn.close()
+
+
+def test_shm_keeps_its_payloads_off_the_socket():
+    """The shm connector (a TcpConnector for its header socket) prepares no
+    socket calls: its layer calls go through the lane."""
+    from test_doorbell import pair
+
+    ffn, attn = pair(spin_us=20_000)
+    server = Background(reply_echo, ffn, 2, None)
+    try:
+        prepared_steps(attn, [3], 2)
+        assert attn._socket_prepared == {} and attn.socket_calls == 0
+        assert attn.fast_calls == 4
+    finally:
+        attn.close()
+        server.join_result()
+    assert ffn._socket_prepared == {} and ffn.socket_calls == 0
+    ffn.close()
+
+
+def test_the_link_and_the_loop_take_socket_calls():
+    """A real FFN loop and attention link over tcp: steps of one micro-batch
+    and ping-pong steps of two go through prepared calls on both sides and
+    give the FFN's results."""
+    from vllm.afd.attention.pingpong import run_micro_batches
+
+    port = free_port()
+    weight = torch.randn(HIDDEN, HIDDEN) / HIDDEN
+    layers = [0, 1, 2]
+
+    def mlp(layer, h, routing):
+        return (h @ weight) + layer
+
+    config = dict(connector="tcp", port=port, timeout_s=10, num_ubatches=2,
+                  connector_extra_config={"spin_us": 20_000})
+    loop = FFNLoop(LinkConfig(role="ffn", **config), layers=layers, compute=mlp,
+                   hidden_size=HIDDEN, dtype=torch.float32, max_tokens=32,
+                   placement=FFNPlacement(rank=0, group=[0]), warmup_sizes=[])
+    loop.start()
+    link = AttentionLink(LinkConfig(**config), hidden_size=HIDDEN, dtype=torch.float32,
+                         max_tokens=32)
+    for layer in layers:
+        link.add_layer(layer)
+    try:
+        assert loop.ready.wait(10)
+        link.start()
+        for rows in [1, 5, 32]:
+            link.begin_step(StepPlan(num_tokens=(rows,)))
+            assert link._fast is not None
+            h = torch.randn(rows, HIDDEN)
+            for layer in layers:
+                out = link.exchange(layer, h)
+                torch.testing.assert_close(out, h @ weight + layer, rtol=0, atol=0)
+            link.end_step()
+        hidden = [torch.randn(2, HIDDEN), torch.randn(3, HIDDEN)]
+        link.begin_step(StepPlan(num_tokens=(2, 3)))
+        assert link._fast_ubatches is not None
+
+        def run(u):
+            return [link.exchange(layer, hidden[u]) for layer in layers]
+
+        for u, outs in enumerate(run_micro_batches([2, 3], run, device=link.device)):
+            for layer, out in zip(layers, outs):
+                torch.testing.assert_close(out, hidden[u] @ weight + layer, rtol=0, atol=0)
+        link.end_step()
+        deadline = time.monotonic() + 10
+        while loop.stats().steps < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        lead = link.pool.members[0].lead
+        assert lead.socket_calls == 2 * (3 + 2) * len(layers)
+        [session] = list(loop._sessions.values())
+        assert session.socket_calls == 2 * (3 + 2) * len(layers)
+        stats = link.stats
+        assert stats.layer_calls == 5 * len(layers) and 0 < stats.send_s < stats.wait_s
+        assert loop.stats().layer_calls == 5 * len(layers)
+    finally:
+        link.close()
+        loop.stop()

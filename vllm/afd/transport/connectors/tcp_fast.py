@@ -1,0 +1,289 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""The tcp connector's prepared layer calls: one C call per message end.
+
+What shm_fast.py does for the shm lane, for frames on a socket. Through the
+general path (attention_side.py, ffn_side.py, tcp.py's SocketLink) a layer
+call's message end is a dozen Python functions: the checks, a LayerFrame
+built and encoded, a sendmsg; on receipt three receives, the decode and
+wire.check_frame. On the 2-core VM a round trip at 1 KiB cost ~95 us that way
+(`make bench-link`), against ~18 us for the same frames through a bare Python
+loop of sendmsg and spinning receives.
+
+So, as on shm, a step's layer calls are prepared when the step begins
+(send_step on the attention side, recv_step on the FFN side): per micro-batch
+and direction the frame's bytes up to its payload, the connector's prefix and
+the LayerFrame template of shm_fast.frame_template, patched with step and
+micro-batch; csrc/cpu/sock_calls.cpp patches the layer in per call.
+
+  attention  prepared_send(layer, u, h, out): prefix, header and h's bytes in
+             one sendmsg; prepared_recv(layer, u, out): wait until the
+             expected prefix and header can be read, compare them (peeked),
+             consume them and receive the payload straight into out
+  FFN        reply_prepared / send_output: the output, as prepared_send;
+             recv_prepared / recv_hidden: the hidden states, as prepared_recv,
+             into the (peer, micro-batch) receive buffer
+
+Why comparing bytes checks the frame: shm_fast.py. Both ends write and expect
+the same templates; the general path's frames (minimal integers) compare
+unequal and are read by the general receive, as is anything else that is not
+the expected frame (an ErrorFrame, a goodbye, a malformed frame): the peek
+leaves the socket as it was. So does a wait past its bound (the link's spin,
+or doorbell.FAST_WAIT_MS where longer): the general receive waits on, with
+its timeout, logging and errors. A failure once the header is consumed (the
+peer gone or stalled mid-payload), or after part of a frame went out, breaks
+the stream: the connector fails with the general path's error for it, and the
+caller's next call raises it.
+
+Host tensors only: a device connector (staged through pinned host buffers)
+and fp8 or routed frames keep the general path.
+
+Mixed into TcpConnector (tcp.py) ahead of the protocol classes; the shm and
+nccl connectors, whose payloads do not travel on the socket, turn it off
+(prepares_socket_calls).
+"""
+
+import errno
+import os
+
+import torch
+
+from vllm.afd.transport import wire
+from vllm.afd.transport.errors import LinkClosed, LinkTimeout, What
+
+MAX_PREFIXED_HEADER = 512  # csrc/cpu/sock_calls.cpp's kMaxHeader
+
+
+def socket_frame_template(dtype: torch.dtype, rows: int, hidden: int, prefix
+                          ) -> "tuple[bytes, int, int, int, int] | None":
+    """frame_template's, with the connector's prefix (tcp.PREFIX: magic,
+    header length, payload length) in front and the offsets moved past it."""
+    # Here, not at the top: shm_fast and doorbell import tcp.py, which imports this.
+    from vllm.afd.transport.connectors.shm_fast import frame_template
+
+    template = frame_template(dtype, rows, hidden)
+    if template is None:
+        return None
+    encoded, step_at, layer_at, ubatch_at, nbytes = template
+    head = prefix(len(encoded), nbytes)
+    if len(head) + len(encoded) > MAX_PREFIXED_HEADER:
+        return None
+    shift = len(head)
+    return (head + encoded, step_at + shift, layer_at + shift, ubatch_at + shift, nbytes)
+
+
+class SocketCalls:
+    """See the module docstring. Needs, from TcpConnector: _links (SocketLinks
+    once connected: their socket, spin and frame prefix), _rx_buffer,
+    _typed_view, and the protocol state of attention_side.py and ffn_side.py."""
+
+    prepares_socket_calls = True  # False: payloads travel elsewhere (shm, nccl)
+
+    def _init_socket_calls(self) -> None:
+        # rows -> (template or None: this shape goes the general way)
+        self._socket_templates: dict[int, tuple | None] = {}
+        # peer -> the step's prepared calls: (capsule, C module, per micro-batch
+        # (rows, bytes sent, bytes received, [rows, hidden], the receive
+        # buffer's typed view on the FFN side, payload bytes)), or None
+        self._socket_prepared: dict[int, tuple | None] = {}
+        self._socket_send_ns: dict[int, int] = {}  # send time already reported
+        self.socket_calls = 0  # message ends taken by prepared calls (tests, benchmarks)
+
+    def _socket_calls_usable(self) -> bool:
+        """Host tensors, exact transfer both ways, no routing."""
+        return (self.prepares_socket_calls and self.device.type == "cpu"
+                and not self.send_scale_group and not self.receive_scale_group
+                and not self.routing_topk)
+
+    def _prepare_socket_calls(self, peer: int, step: wire.StepHeader) -> None:
+        self._socket_prepared[peer] = None
+        self._socket_send_ns.pop(peer, None)
+        link = self._links.get(peer)
+        if (step.is_goodbye or step.is_shutdown or not self._socket_calls_usable()
+                or self._failure is not None or not self._connected
+                or getattr(link, "sock", None) is None):
+            return
+        from vllm.afd.transport import doorbell  # imports tcp.py: not at the top
+
+        C = doorbell.lane_module()
+        frames, sizes = [], []
+        for u, rows in enumerate(step.num_tokens):
+            if rows not in self._socket_templates:
+                self._socket_templates[rows] = socket_frame_template(
+                    self.dtype, rows, self.hidden_size, link.prefix)
+            template = self._socket_templates[rows]
+            if template is None:
+                return
+            frames.append(template)
+            shape = [rows, self.hidden_size]
+            nbytes = template[4]
+            view = None
+            if not self.is_attention:
+                key = (peer, u)
+                view = self._typed_view(key, self._rx_buffer(key, nbytes), self.dtype, shape)
+            size = nbytes + len(template[0])  # the prefix is part of the template
+            sizes.append((rows, size, size, shape, view, nbytes))
+        sock = link.sock
+        calls = C.sock_prepare(sock, sock.fileno(), step.step_id, int(link.spin_s * 1e9),
+                               doorbell.FAST_WAIT_MS, max(1, int(self.timeout_s * 1000)),
+                               frames, frames)
+        self._socket_prepared[peer] = (calls, C, sizes)
+
+    def _socket_send_s(self, peer: int) -> float:
+        prepared = self._socket_prepared.get(peer)
+        if prepared is None:
+            return 0.0
+        send_ns = prepared[1].sock_call_times(prepared[0])[0]
+        before = self._socket_send_ns.get(peer, 0)
+        self._socket_send_ns[peer] = send_ns
+        return (send_ns - before) * 1e-9
+
+    def _broken(self, peer: int, status: int, what: What, action: str) -> None:
+        """A prepared call that left the stream mid-frame: fail the connector
+        with the general path's error (raised by the caller's next call)."""
+        error = (LinkTimeout() if status == -errno.ETIMEDOUT
+                 else LinkClosed(os.strerror(-status)))
+        self._link_error(error, self.peer_name(peer), what, action)
+
+    # ------------------------------------------------------- attention side
+    def send_step(self, header: wire.StepHeader) -> None:
+        super().send_step(header)
+        if self.is_attention and self.prepares_socket_calls:
+            self._prepare_socket_calls(0, header)
+
+    def exchange_prepared(self) -> bool:
+        if self.prepares_socket_calls:
+            return self._socket_prepared.get(0) is not None
+        return super().exchange_prepared()
+
+    def prepared_send(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
+                      out: torch.Tensor | None) -> bool:
+        if not self.prepares_socket_calls:
+            return super().prepared_send(layer_id, ubatch_id, h, out)
+        prepared = self._socket_prepared.get(0)
+        if prepared is None or self._in_flight or self._failure is not None:
+            return False
+        calls, C, sizes = prepared
+        size = sizes[ubatch_id]
+        # Inline checks, as shm_fast.prepared_send's (each Python call costs
+        # microseconds on a cold cache).
+        if not (h.dtype == self.dtype and h.nbytes == size[5] and h.is_contiguous()
+                and h.is_cpu):
+            return False
+        status = C.sock_post_call(calls, ubatch_id, layer_id, h.data_ptr())
+        if status == 1:
+            return False  # nothing sent: the general path sends, or says why not
+        if status < 0:
+            self._broken(0, status, What("layer {} ubatch {} hidden states", layer_id,
+                                         ubatch_id), "send")
+            return False
+        self.bytes_sent += size[1]
+        self.socket_calls += 1
+        return True
+
+    def prepared_recv(self, layer_id: int, ubatch_id: int, out: torch.Tensor) -> bool:
+        if not self.prepares_socket_calls:
+            return super().prepared_recv(layer_id, ubatch_id, out)
+        calls, C, sizes = self._socket_prepared[0]
+        size = sizes[ubatch_id]
+        if out.dtype == self.dtype and out.nbytes == size[5] and out.is_contiguous() \
+                and out.is_cpu:
+            status = C.sock_take_call(calls, ubatch_id, layer_id, out.data_ptr())
+            if status == 1:
+                self.bytes_received += size[2]
+                self.socket_calls += 1
+                return True
+            if status < 0:
+                self._broken(0, status, What("the output of layer {} ubatch {}", layer_id,
+                                             ubatch_id), "payload")
+        # The general receive takes over (recv_output: its wait, its errors).
+        self._in_flight.append((layer_id, ubatch_id, size[3]))
+        return False
+
+    def take_exchange_send_s(self) -> float:
+        if self.prepares_socket_calls:
+            return self._socket_send_s(0)
+        return super().take_exchange_send_s()
+
+    # ------------------------------------------------------------- FFN side
+    def recv_step(self, peer: int = 0, timeout_s: float | None = None) -> wire.StepHeader:
+        header = super().recv_step(peer, timeout_s)
+        if not self.is_attention and self.prepares_socket_calls:
+            self._prepare_socket_calls(peer, header)
+        return header
+
+    def reply_and_recv(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor,
+                       next_layer: int, next_ubatch: int) -> "torch.Tensor":
+        if self.prepares_socket_calls and self.reply_prepared(peer, layer_id, ubatch_id, out):
+            return self.recv_prepared(peer, next_layer, next_ubatch)
+        return super().reply_and_recv(peer, layer_id, ubatch_id, out, next_layer, next_ubatch)
+
+    def reply_prepared(self, peer: int, layer_id: int, ubatch_id: int,
+                       out: torch.Tensor) -> bool:
+        if not self.prepares_socket_calls:
+            return super().reply_prepared(peer, layer_id, ubatch_id, out)
+        prepared = self._socket_prepared.get(peer)
+        awaiting, key = self._awaiting, (peer, ubatch_id)
+        awaited = awaiting.get(key)
+        if (prepared is None or awaited is None or awaited[0] != layer_id
+                or self._failure is not None):
+            return False
+        calls, C, sizes = prepared
+        size = sizes[ubatch_id]
+        if not (out.dtype == self.dtype and out.nbytes == size[5] and out.is_contiguous()
+                and out.is_cpu):
+            return False
+        status = C.sock_post_call(calls, ubatch_id, layer_id, out.data_ptr())
+        if status == 1:
+            return False
+        if status < 0:
+            self._broken(peer, status, What("layer {} ubatch {} output", layer_id, ubatch_id),
+                         "send")
+            return False
+        # Sent: the bookkeeping now, while the attention side computes.
+        self.bytes_sent += size[1]
+        self.socket_calls += 1
+        del awaiting[key]
+        self._routings.pop(key, None)
+        return True
+
+    def recv_prepared(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor":
+        if not self.prepares_socket_calls:
+            return super().recv_prepared(peer, layer_id, ubatch_id)
+        prepared = self._socket_prepared.get(peer)
+        if prepared is not None and self._failure is None:
+            calls, C, sizes = prepared
+            _, _, received, shape, view, _ = sizes[ubatch_id]
+            status = C.sock_take_call(calls, ubatch_id, layer_id, view.data_ptr())
+            if status == 1:
+                key = (peer, ubatch_id)
+                self._awaiting[key] = (layer_id, shape)
+                self._routings[key] = None
+                self.bytes_received += received
+                self.socket_calls += 1
+                return view
+            if status < 0:
+                self._broken(peer, status, What("the hidden states of layer {} ubatch {}",
+                                                layer_id, ubatch_id), "payload")
+        # The general receive (ffn_side.py): its wait, its errors.
+        return super().recv_hidden(peer, layer_id, ubatch_id, defer=True)
+
+    def recv_hidden(self, peer: int, layer_id: int, ubatch_id: int, *,
+                    defer: bool = False) -> torch.Tensor:
+        # A step's first call, and what the FFN loop receives outside
+        # reply_and_recv: the prepared receive where it can take it.
+        if (self.prepares_socket_calls and not self.is_attention
+                and self._socket_prepared.get(peer) is not None):
+            return self.recv_prepared(peer, layer_id, ubatch_id)
+        return super().recv_hidden(peer, layer_id, ubatch_id, defer=defer)
+
+    def send_output(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> None:
+        if not (self.prepares_socket_calls
+                and self.reply_prepared(peer, layer_id, ubatch_id, out)):
+            super().send_output(peer, layer_id, ubatch_id, out)
+
+    def take_reply_send_s(self, peer: int) -> float:
+        sent = super().take_reply_send_s(peer)
+        if self.prepares_socket_calls:
+            sent += self._socket_send_s(peer)
+        return sent
