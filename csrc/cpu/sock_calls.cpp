@@ -97,7 +97,8 @@ bool load(PyObject* frames, SockFrame* out, unsigned long long step) {
                             &t.ubatch_at, &nbytes) &&
            t.load();
       SockFrame& f = out[u];
-      if (ok && (t.len > kMaxHeader || !patch(t, f.header, step, 0, static_cast<unsigned long>(u)))) {
+      if (ok && (t.len > kMaxHeader ||
+                 !patch(t, f.header, step, 0, static_cast<unsigned long>(u)))) {
         PyErr_SetString(PyExc_ValueError, "sock_prepare: bad template");
         ok = false;
       }
