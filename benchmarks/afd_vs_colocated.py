@@ -88,11 +88,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="skip the AFD run under ubatch_policy 'auto' (the rule choosing m "
                          f"per step, up to {FFN_UBATCHES})")
     ap.add_argument("--spin-us", type=int, default=50000,
-                    help="shm only: connector_extra_config spin_us on both roles (how long "
-                         "a waiting side spins before it sleeps; each role has a core of its "
-                         "own here, and a wait spans the other side's compute of a layer, "
-                         "several ms on this CPU; default: %(default)s, 0: the connector's "
-                         "default)")
+                    help="connector_extra_config spin_us on both roles (how long a waiting "
+                         "side spins before it sleeps: on the shm lane, or polling the tcp "
+                         "socket; each role has a core of its own here, and a wait spans the "
+                         "other side's compute of a layer, several ms on this CPU; default: "
+                         "%(default)s, 0: the connector's default)")
     ap.add_argument("--stream-copies", choices=["auto", "on", "off"], default="auto",
                     help="shm only: connector_extra_config stream_copies on both roles (how "
                          "payloads go into the slots: cached or non-temporal stores, auto: "
@@ -192,12 +192,11 @@ def transfer_dtype(args: argparse.Namespace) -> "str | dict[str, str]":
 def link_config(args: argparse.Namespace, port: int, num_ubatches: int) -> dict:
     config = {"connector": args.connector, "port": port, "num_ubatches": num_ubatches,
               "timeout_s": 120, "transfer_dtype": transfer_dtype(args)}
-    if args.connector == "shm":
-        extra = {} if args.spin_us is None else {"spin_us": args.spin_us}
-        if args.stream_copies != "auto":
-            extra["stream_copies"] = args.stream_copies
-        if extra:
-            config["connector_extra_config"] = extra
+    extra = {} if args.spin_us is None else {"spin_us": args.spin_us}
+    if args.connector == "shm" and args.stream_copies != "auto":
+        extra["stream_copies"] = args.stream_copies
+    if extra:
+        config["connector_extra_config"] = extra
     return config
 
 
