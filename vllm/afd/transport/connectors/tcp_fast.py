@@ -186,7 +186,10 @@ class SocketCalls:
     def prepared_recv(self, layer_id: int, ubatch_id: int, out: torch.Tensor) -> bool:
         if not self.prepares_socket_calls:
             return super().prepared_recv(layer_id, ubatch_id, out)
-        calls, C, sizes = self._socket_prepared[0]
+        prepared = self._socket_prepared.get(0)
+        if prepared is None:
+            raise ValueError(f"{self.me}: prepared_recv without prepared_send")
+        calls, C, sizes = prepared
         size = sizes[ubatch_id]
         if out.dtype == self.dtype and out.nbytes == size[5] and out.is_contiguous() \
                 and out.is_cpu:
