@@ -287,3 +287,50 @@ def test_the_link_and_the_loop_take_socket_calls():
     finally:
         link.close()
         loop.stop()
+
+
+def staged_tcp_pair():
+    """A tcp pair that takes the prepared calls as CUDA connectors do (staged
+    through their pinned host slots) on a fake asynchronous device
+    (test_device_rules.DeferredOps: copies land 0.2 s later): no GPU here."""
+    from test_device_rules import DeferredOps
+
+    ffn, attn = tcp_pair()
+    for side in (attn, ffn):  # stage as on a GPU
+        side.ops, side._socket_on_host = DeferredOps(), False
+    return ffn, attn
+
+
+@pytest.mark.parametrize("settled", [True, False])
+def test_staged_calls_settle_the_slot_before_receiving_into_it_again(settled, monkeypatch):
+    """A device's prepared calls: the output is copied out of the pinned
+    receive slot on the consumer's stream after the call returns (here 0.2 s
+    later). The next receive into that slot settles that copy first.
+    settled=False makes the settling a no-op: the negative control, where the
+    first output reads the second."""
+    from vllm.afd.transport.buffers import HostSlots
+
+    if not settled:
+        monkeypatch.setattr(HostSlots, "release", lambda self, u: None)
+    ffn, attn = staged_tcp_pair()
+    try:
+        attn.send_step(StepHeader(step_id=1, num_tokens=[4]))
+        ffn.recv_step(0)
+        assert attn.exchange_prepared() and ffn._socket_prepared.get(0) is not None
+        first, second = torch.full((4, HIDDEN), 1.0), torch.full((4, HIDDEN), 2.0)
+        out1, out2 = torch.zeros(4, HIDDEN), torch.zeros(4, HIDDEN)
+        for layer, h, out in ((0, first, out1), (1, second, out2)):
+            assert attn.prepared_send(layer, 0, h, out)
+            got = ffn.recv_prepared(0, layer, 0)
+            ffn.ops.pool.submit(lambda: None).result()  # its copy to the "device" landed
+            assert ffn.reply_prepared(0, layer, 0, got.clone())
+            assert attn.prepared_recv(layer, 0, out)  # its copy is still in flight
+        attn.ops.pool.shutdown(wait=True)
+        assert attn.socket_calls == 4 and ffn.socket_calls == 4  # no general path taken
+        if settled:
+            assert torch.equal(out1, first) and torch.equal(out2, second)
+        else:
+            assert torch.equal(out1, second)  # corrupted, as predicted
+    finally:
+        attn.close()
+        ffn.close()

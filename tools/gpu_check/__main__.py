@@ -34,7 +34,9 @@ Checks (each passes, fails, or is skipped with the reason):
                 the real data plane (loopback in one process; shm and tcp as
                 two processes on one device), micro-batches m = 1..4 ping-ponged,
                 routing from the attention side; outputs identical to the model
-                run whole, micro-batch by micro-batch
+                run whole, micro-batch by micro-batch; over shm and tcp with
+                exact frames every message end a prepared call (CUDA: staged
+                through the pinned slots)
   dummy-runs    profile/warm-up/capture steps send no frame and need no FFN
   threads       every data-plane thread enters the device and stream it was
                 handed (ping-pong workers, link supervisor, FFN loop)
@@ -288,10 +290,19 @@ def _harness(args, connector: str, gate_on_attention: bool = False,
         assert stats.steps == 4 and stats.layer_calls == 3 * (1 + 2 + 3 + 4), stats
         if gate_on_attention:
             assert stats.routed_calls == 2 * (1 + 2 + 3 + 4), stats
+        # The attention side's message ends through prepared calls (shm's lane,
+        # tcp's socket calls; CUDA tensors staged through pinned slots): every
+        # one of them where the frames are exact and carry no routing.
+        lead = attn.link.pool.members[0].lead
+        prepared = getattr(lead, {"shm": "fast_calls", "tcp": "socket_calls"}.get(connector, ""),
+                           None)
+        if prepared is not None and transfer == "auto" and not gate_on_attention:
+            assert prepared == 2 * stats.layer_calls, (prepared, stats.layer_calls)
+        calls = f", {prepared} prepared message ends" if prepared is not None else ""
     finally:
         attn.close()
         ffn.stop()
-    return f"identical to the whole model ({', '.join(results)}{routed})"
+    return f"identical to the whole model ({', '.join(results)}{routed}{calls})"
 
 
 def check_dummy_runs(args) -> str:

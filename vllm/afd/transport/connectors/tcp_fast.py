@@ -35,8 +35,13 @@ peer gone or stalled mid-payload), or after part of a frame went out, breaks
 the stream: the connector fails with the general path's error for it, and the
 caller's next call raises it.
 
-Host tensors only: a device connector (staged through pinned host buffers)
-and fp8 or routed frames keep the general path.
+Device tensors (CUDA) take the prepared calls too, staged through the
+connector's pinned host slots (tcp.py's _staging, ../buffers.py), as the
+general path stages them: the sender copies its tensor into its slot and
+waits for the copy (the frame goes out from the slot), the receiver settles
+the last copy out of its slot (HostSlots.release), receives into it, and
+copies it to the device on the consumer's stream. fp8 and routed frames keep
+the general path.
 
 Mixed into TcpConnector (tcp.py) ahead of the protocol classes; the shm and
 nccl connectors, whose payloads do not travel on the socket, turn it off
@@ -88,10 +93,13 @@ class SocketCalls:
         self._socket_prepared: dict[int, tuple | None] = {}
         self._socket_send_ns: dict[int, int] = {}  # send time already reported
         self.socket_calls = 0  # message ends taken by prepared calls (tests, benchmarks)
+        # Host tensors on a host connector: no staging, no slot events to settle.
+        self._socket_on_host = self.device.type == "cpu"
 
     def _socket_calls_usable(self) -> bool:
-        """Host tensors, exact transfer both ways, no routing."""
-        return (self.prepares_socket_calls and self.device.type == "cpu"
+        """Host memory both ends (CUDA tensors staged through it), exact
+        transfer both ways, no routing."""
+        return (self.prepares_socket_calls and self.device.type in ("cpu", "cuda")
                 and not self.send_scale_group and not self.receive_scale_group
                 and not self.routing_topk)
 
@@ -120,7 +128,7 @@ class SocketCalls:
             shape = [rows, self.hidden_size]
             nbytes = template[4]
             view = None
-            if not self.is_attention:
+            if not self.is_attention and self._socket_on_host:
                 key = (peer, u)
                 view = self._typed_view(key, self._rx_buffer(key, nbytes), self.dtype, shape)
             size = nbytes + len(template[0])  # the prefix is part of the template
@@ -139,6 +147,20 @@ class SocketCalls:
         before = self._socket_send_ns.get(peer, 0)
         self._socket_send_ns[peer] = send_ns
         return (send_ns - before) * 1e-9
+
+    def _socket_staged_source(self, peer: int, u: int, t: torch.Tensor) -> int:
+        """A device tensor's bytes in this side's pinned slot u, landed: the
+        address a prepared post sends from."""
+        staging = self._staging(self._tx_staging, peer)
+        staging.write(u, (t,), t.nbytes)
+        return staging.slot(u).data_ptr()
+
+    def _socket_staged_target(self, peer: int, u: int) -> int:
+        """The address a staged receive writes, once the last copy out of
+        that slot has read it."""
+        staging = self._staging(self._rx_staging, peer)
+        staging.release(u)
+        return staging.slot(u).data_ptr()
 
     def _broken(self, peer: int, status: int, what: What, action: str) -> None:
         """A prepared call that left the stream mid-frame: fail the connector
@@ -169,10 +191,11 @@ class SocketCalls:
         size = sizes[ubatch_id]
         # Inline checks, as shm_fast.prepared_send's (each Python call costs
         # microseconds on a cold cache).
-        if not (h.dtype == self.dtype and h.nbytes == size[5] and h.is_contiguous()
-                and h.is_cpu):
+        if not (h.dtype == self.dtype and h.nbytes == size[5] and h.is_contiguous()):
             return False
-        status = C.sock_post_call(calls, ubatch_id, layer_id, h.data_ptr())
+        src = (h.data_ptr() if h.is_cpu and self._socket_on_host
+               else self._socket_staged_source(0, ubatch_id, h))
+        status = C.sock_post_call(calls, ubatch_id, layer_id, src)
         if status == 1:
             return False  # nothing sent: the general path sends, or says why not
         if status < 0:
@@ -191,10 +214,13 @@ class SocketCalls:
             raise ValueError(f"{self.me}: prepared_recv without prepared_send")
         calls, C, sizes = prepared
         size = sizes[ubatch_id]
-        if out.dtype == self.dtype and out.nbytes == size[5] and out.is_contiguous() \
-                and out.is_cpu:
-            status = C.sock_take_call(calls, ubatch_id, layer_id, out.data_ptr())
+        if out.dtype == self.dtype and out.nbytes == size[5] and out.is_contiguous():
+            on_host = out.is_cpu and self._socket_on_host
+            status = C.sock_take_call(calls, ubatch_id, layer_id, out.data_ptr() if on_host
+                                      else self._socket_staged_target(0, ubatch_id))
             if status == 1:
+                if not on_host:  # staged: from the slot on the caller's stream
+                    self._rx_staging[0].read(ubatch_id, self.dtype, size[3], out)
                 self.bytes_received += size[2]
                 self.socket_calls += 1
                 return True
@@ -235,10 +261,11 @@ class SocketCalls:
             return False
         calls, C, sizes = prepared
         size = sizes[ubatch_id]
-        if not (out.dtype == self.dtype and out.nbytes == size[5] and out.is_contiguous()
-                and out.is_cpu):
+        if not (out.dtype == self.dtype and out.nbytes == size[5] and out.is_contiguous()):
             return False
-        status = C.sock_post_call(calls, ubatch_id, layer_id, out.data_ptr())
+        src = (out.data_ptr() if out.is_cpu and self._socket_on_host
+               else self._socket_staged_source(peer, ubatch_id, out))
+        status = C.sock_post_call(calls, ubatch_id, layer_id, src)
         if status == 1:
             return False
         if status < 0:
@@ -259,14 +286,18 @@ class SocketCalls:
         if prepared is not None and self._failure is None:
             calls, C, sizes = prepared
             _, _, received, shape, view, _ = sizes[ubatch_id]
-            status = C.sock_take_call(calls, ubatch_id, layer_id, view.data_ptr())
+            status = C.sock_take_call(calls, ubatch_id, layer_id,
+                                      view.data_ptr() if view is not None
+                                      else self._socket_staged_target(peer, ubatch_id))
             if status == 1:
                 key = (peer, ubatch_id)
                 self._awaiting[key] = (layer_id, shape)
                 self._routings[key] = None
                 self.bytes_received += received
                 self.socket_calls += 1
-                return view
+                # On a device: copied from the slot on this side's stream.
+                return view if view is not None else self._rx_staging[peer].read(
+                    ubatch_id, self.dtype, shape)
             if status < 0:
                 self._broken(peer, status, What("the hidden states of layer {} ubatch {}",
                                                 layer_id, ubatch_id), "payload")
