@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""A step's layer calls prepared once (shm_fast.py, csrc/cpu/lane_calls.cpp):
+"""A step's layer calls prepared once (shm_fast.py, csrc/cpu/lane_calls.cpp;
+tcp_fast.py, csrc/cpu/sock_calls.cpp, more in test_tcp_calls.py):
 the attention link's steps of one micro-batch and the FFN loop's replies take
 them, they count what the general path counts, and every surprise goes the
 general way and raises what it always did. Real connectors, a real FFN loop
@@ -13,17 +14,38 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from test_connectors import HIDDEN, Background
+from test_connectors import HIDDEN, Background, free_port
 from test_doorbell import pair
 
 from vllm.afd.attention.link import AttentionLink, StepPlan
+from vllm.afd.config import AFDConfig
 from vllm.afd.ffn.loop import FFNLoop
 from vllm.afd.observability.metrics import LinkCollector
 from vllm.afd.topology import FFNPlacement
 from vllm.afd.transport import doorbell
 from vllm.afd.transport.config import LinkConfig
-from vllm.afd.transport.connectors.base import AFDConnectionError
+from vllm.afd.transport.connectors.base import AFDConnectionError, create_connector
 from vllm.afd.transport.wire import StepHeader
+
+
+def tcp_pair(*, spin_us: int = 20_000, timeout_s: float = 10):
+    """An FFN and attention tcp connector linked over loopback (tcp_fast.py's
+    prepared calls), as test_doorbell.pair links shm ones."""
+    port = free_port()
+
+    def make(role):
+        cfg = AFDConfig(role=role, connector="tcp", port=port, timeout_s=timeout_s,
+                        connector_extra_config={"spin_us": spin_us})
+        return create_connector(cfg, hidden_size=HIDDEN, dtype=torch.float32, max_tokens=16)
+
+    ffn, attn = make("ffn"), make("attention")
+    accepting = Background(ffn.accept)
+    attn.connect()
+    accepting.join_result()
+    return ffn, attn
+
+
+PAIRS = {"shm": pair, "tcp": tcp_pair}  # (ffn, attn) with prepared calls
 
 
 def reply_echo(ffn, layers: int, posted: list | None = None) -> int:
@@ -144,10 +166,11 @@ def test_what_prepared_calls_cannot_carry_is_not_sent():
     ffn.close()
 
 
-def test_an_error_frame_instead_of_the_output_is_raised_by_the_general_receive():
+@pytest.mark.parametrize("connector", PAIRS)
+def test_an_error_frame_instead_of_the_output_is_raised_by_the_general_receive(connector):
     """The FFN reports an error instead of answering: prepared_recv leaves it
     to recv_output, which raises the FFN's own text."""
-    ffn, attn = pair(spin_us=20_000)
+    ffn, attn = PAIRS[connector](spin_us=20_000)
 
     def fail():
         ffn.recv_step(0)
@@ -166,10 +189,12 @@ def test_an_error_frame_instead_of_the_output_is_raised_by_the_general_receive()
     ffn.close()
 
 
-def test_a_goodbye_instead_of_the_next_hidden_states_is_raised_by_the_general_receive():
+@pytest.mark.parametrize("connector", PAIRS)
+def test_a_goodbye_instead_of_the_next_hidden_states_is_raised_by_the_general_receive(
+        connector):
     """The attention side leaves mid-step: the FFN's reply goes out, and the
     general receive of the next call raises what it always did."""
-    ffn, attn = pair(spin_us=20_000)
+    ffn, attn = PAIRS[connector](spin_us=20_000)
     attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
     h = torch.randn(2, HIDDEN)
     attn.send_hidden(0, 0, h)
@@ -183,14 +208,15 @@ def test_a_goodbye_instead_of_the_next_hidden_states_is_raised_by_the_general_re
     ffn.close()
 
 
+@pytest.mark.parametrize("connector", PAIRS)
 def test_an_answer_later_than_the_prepared_wait_arrives_through_the_general_path(
-        monkeypatch):
+        monkeypatch, connector):
     """An FFN slower than the prepared wait's bound (doorbell.FAST_WAIT_MS):
     the general receive waits on and delivers the output."""
     from vllm.afd.transport import doorbell
 
     monkeypatch.setattr(doorbell, "FAST_WAIT_MS", 20)
-    ffn, attn = pair(spin_us=0)
+    ffn, attn = PAIRS[connector](spin_us=0)
 
     def slow():
         ffn.recv_step(0)

@@ -3,8 +3,10 @@
 """The tcp connector's prepared layer calls (tcp_fast.py, csrc/cpu/sock_calls.cpp):
 a step's layer calls take them on both ends, outputs are exact, and every
 surprise (an error frame, a goodbye, a late answer, a frame the general path
-wrote) is read by the general receive and raises what it always did; a peer
-that stops mid-payload fails the connector with the payload's error. Real
+wrote) is read by the general receive and raises what it always did (the
+error frame, goodbye and late answer cases are test_prepared_calls.py's, for
+shm and tcp); a peer that stops mid-payload fails the connector with the
+payload's error. Real
 connectors over loopback TCP, in threads of one process; the latency they save
 is measured by `make bench-link` (round trip by payload), not here."""
 
@@ -14,33 +16,16 @@ import time
 import pytest
 import torch
 from test_connectors import HIDDEN, Background, free_port
-from test_prepared_calls import prepared_steps, reply_echo
+from test_prepared_calls import prepared_steps, reply_echo, tcp_pair
 
 from vllm.afd.attention.link import AttentionLink, StepPlan
-from vllm.afd.config import AFDConfig
 from vllm.afd.ffn.loop import FFNLoop
 from vllm.afd.topology import FFNPlacement
 from vllm.afd.transport.config import LinkConfig
-from vllm.afd.transport.connectors.base import AFDConnectionError, create_connector
+from vllm.afd.transport.connectors.base import AFDConnectionError
 from vllm.afd.transport.connectors.tcp import SocketLink
 from vllm.afd.transport.connectors.tcp_fast import socket_frame_template
 from vllm.afd.transport.wire import StepHeader
-
-
-def tcp(role: str, port: int, *, spin_us: int = 20_000, timeout_s: float = 10,
-        num_ubatches: int = 1):
-    cfg = AFDConfig(role=role, connector="tcp", port=port, timeout_s=timeout_s,
-                    num_ubatches=num_ubatches, connector_extra_config={"spin_us": spin_us})
-    return create_connector(cfg, hidden_size=HIDDEN, dtype=torch.float32, max_tokens=16)
-
-
-def tcp_pair(**kwargs):
-    port = free_port()
-    ffn, attn = tcp("ffn", port, **kwargs), tcp("attention", port, **kwargs)
-    accepting = Background(ffn.accept)
-    attn.connect()
-    accepting.join_result()
-    return ffn, attn
 
 
 def test_layer_calls_go_through_prepared_calls_on_both_ends():
@@ -96,67 +81,6 @@ def test_the_general_paths_frames_are_read_by_the_general_receive():
     ffn.close()
 
 
-def test_an_error_frame_instead_of_the_output_is_raised_by_the_general_receive():
-    ffn, attn = tcp_pair()
-
-    def fail():
-        ffn.recv_step(0)
-        ffn.recv_hidden(0, 0, 0)
-        ffn.report_error("the mlp of layer 0 failed: out of memory")
-
-    server = Background(fail)
-    attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
-    h, out = torch.randn(2, HIDDEN), torch.empty(2, HIDDEN)
-    assert attn.prepared_send(0, 0, h, out)
-    server.join_result()
-    assert not attn.prepared_recv(0, 0, out)
-    with pytest.raises(AFDConnectionError, match="out of memory"):
-        attn.recv_output(0, 0, out=out)
-    attn.close()
-    ffn.close()
-
-
-def test_a_goodbye_instead_of_the_next_hidden_states_is_raised_by_the_general_receive():
-    ffn, attn = tcp_pair()
-    attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
-    h, out = torch.randn(2, HIDDEN), torch.empty(2, HIDDEN)
-    assert attn.prepared_send(0, 0, h, out)
-    ffn.recv_step(0)
-    got = ffn.recv_hidden(0, 0, 0)
-    replying = Background(ffn.reply_and_recv, 0, 0, 0, got * 2, 1, 0)
-    assert attn.prepared_recv(0, 0, out) and torch.equal(out, h * 2)
-    attn.close()  # says goodbye
-    with pytest.raises(AFDConnectionError, match="goodbye"):
-        replying.join_result()
-    ffn.close()
-
-
-def test_an_answer_later_than_the_prepared_wait_arrives_through_the_general_path(
-        monkeypatch):
-    from vllm.afd.transport import doorbell
-
-    monkeypatch.setattr(doorbell, "FAST_WAIT_MS", 20)
-    ffn, attn = tcp_pair(spin_us=0)
-
-    def slow():
-        ffn.recv_step(0)
-        h = ffn.recv_hidden(0, 0, 0)
-        time.sleep(0.2)
-        ffn.send_output(0, 0, 0, h + 1)
-
-    server = Background(slow)
-    attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
-    h, out = torch.randn(2, HIDDEN), torch.empty(2, HIDDEN)
-    assert attn.prepared_send(0, 0, h, out)
-    t0 = time.monotonic()
-    assert not attn.prepared_recv(0, 0, out)
-    assert time.monotonic() - t0 < 0.15
-    assert attn.recv_output(0, 0, out=out) is out and torch.equal(out, h + 1)
-    server.join_result()
-    attn.close()
-    ffn.close()
-
-
 def expected_frame(step: int, layer: int, ubatch: int, rows: int) -> tuple[bytes, int]:
     """The prepared frame's bytes up to its payload, and the payload's size."""
     encoded, step_at, layer_at, ubatch_at, nbytes = socket_frame_template(
@@ -167,12 +91,9 @@ def expected_frame(step: int, layer: int, ubatch: int, rows: int) -> tuple[bytes
     return bytes(frame), nbytes
 
 
-def test_a_peer_that_stops_mid_payload_fails_the_connector_with_the_payloads_error():
-    """The FFN's header arrives (the expected one), half its payload, then
-    nothing: the prepared receive, past the header, cannot give the frame
-    back; the connector fails with the general path's error for a payload
-    that did not come, and the caller's general receive raises it."""
-    ffn, attn = tcp_pair(timeout_s=0.5)
+def half_an_answer(ffn, attn) -> torch.Tensor:
+    """A prepared layer call whose answer is the expected frame's header and
+    half its payload, written to the FFN's socket by hand; the caller's output."""
     attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
     h, out = torch.randn(2, HIDDEN), torch.empty(2, HIDDEN)
     assert attn.prepared_send(0, 0, h, out)
@@ -181,6 +102,16 @@ def test_a_peer_that_stops_mid_payload_fails_the_connector_with_the_payloads_err
     frame, nbytes = expected_frame(1, 0, 0, 2)
     ffn._links[0].sock.setblocking(True)
     ffn._links[0].sock.sendall(frame + bytes(nbytes // 2))
+    return out
+
+
+def test_a_peer_that_stops_mid_payload_fails_the_connector_with_the_payloads_error():
+    """The FFN's header arrives (the expected one), half its payload, then
+    nothing: the prepared receive, past the header, cannot give the frame
+    back; the connector fails with the general path's error for a payload
+    that did not come, and the caller's general receive raises it."""
+    ffn, attn = tcp_pair(timeout_s=0.5)
+    out = half_an_answer(ffn, attn)
     t0 = time.monotonic()
     assert not attn.prepared_recv(0, 0, out)
     assert 0.4 < time.monotonic() - t0 < 5
@@ -193,16 +124,8 @@ def test_a_peer_that_stops_mid_payload_fails_the_connector_with_the_payloads_err
 
 def test_a_peer_gone_mid_payload_fails_the_connector_at_once():
     ffn, attn = tcp_pair()
-    attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
-    h, out = torch.randn(2, HIDDEN), torch.empty(2, HIDDEN)
-    assert attn.prepared_send(0, 0, h, out)
-    ffn.recv_step(0)
-    ffn.recv_hidden(0, 0, 0)
-    frame, nbytes = expected_frame(1, 0, 0, 2)
-    sock = ffn._links[0].sock
-    sock.setblocking(True)
-    sock.sendall(frame + bytes(nbytes // 2))
-    sock.shutdown(socket.SHUT_RDWR)
+    out = half_an_answer(ffn, attn)
+    ffn._links[0].sock.shutdown(socket.SHUT_RDWR)
     assert not attn.prepared_recv(0, 0, out)
     with pytest.raises(AFDConnectionError, match="closed the connection .* received the "
                                                  "payload of the output of layer 0"):
