@@ -134,7 +134,10 @@ class SocketCalls:
             size = nbytes + len(template[0])  # the prefix is part of the template
             sizes.append((rows, size, size, shape, view, nbytes))
         sock = link.sock
-        calls = C.sock_prepare(sock, sock.fileno(), step.step_id, int(link.spin_s * 1e9),
+        fd = sock.fileno()
+        if fd < 0:  # closed by another thread: the general path says so
+            return
+        calls = C.sock_prepare(sock, fd, step.step_id, int(link.spin_s * 1e9),
                                doorbell.FAST_WAIT_MS, max(1, int(self.timeout_s * 1000)),
                                frames, frames)
         self._socket_prepared[peer] = (calls, C, sizes)
