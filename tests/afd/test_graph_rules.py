@@ -116,7 +116,7 @@ def test_an_eager_model_calls_the_exchange_without_the_dispatcher(shm_link):
     shm_link.end_step()
 
 
-def test_an_eager_remote_ffn_allocates_its_output_after_the_send(shm_link):
+def test_an_eager_remote_ffn_allocates_its_output_after_the_send(patient_waits, shm_link):
     """The eager seam leaves the output's allocation to the link, which makes
     it once the hidden states are out, while the FFN computes: on a CPU host's
     cold cache an allocation costs ~15 us, on the path both sides wait on when

@@ -48,6 +48,7 @@ def tcp_pair(*, spin_us: int = 20_000, timeout_s: float = 10):
 PAIRS = {"shm": pair, "tcp": tcp_pair}  # (ffn, attn) with prepared calls
 
 
+
 def reply_echo(ffn, layers: int, posted: list | None = None) -> int:
     """Serve one-micro-batch steps through reply_and_recv (output = 2h + layer);
     posted: gets each step's count of prepared sends."""
@@ -92,7 +93,8 @@ def general_steps(attn, steps: list[int], layers: int) -> None:
             assert torch.equal(attn.recv_output(layer, 0), h * 2 + layer)
 
 
-def test_prepared_calls_carry_every_layer_call_and_count_like_the_general_path():
+def test_prepared_calls_carry_every_layer_call_and_count_like_the_general_path(
+        patient_waits):
     """Every message end of every layer call goes through a prepared call
     (the lane's own count agrees), outputs are exact, and the byte counters
     equal those of the same steps through the general path."""
@@ -237,7 +239,7 @@ def test_an_answer_later_than_the_prepared_wait_arrives_through_the_general_path
     ffn.close()
 
 
-def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps():
+def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps(patient_waits):
     """A real FFN loop and attention link over shm: steps of one micro-batch
     go through prepared calls on both sides (all but a step's first receive
     on the FFN, whose loop posts every reply, the step's last included, before

@@ -28,6 +28,10 @@ from vllm.afd.transport.connectors.tcp_fast import socket_frame_template
 from vllm.afd.transport.wire import StepHeader
 
 
+# Every test here counts prepared calls: none may fall back for a busy host.
+pytestmark = pytest.mark.usefixtures("patient_waits")
+
+
 def test_layer_calls_go_through_prepared_calls_on_both_ends():
     """Steps of several sizes: every message end of every layer call is a
     prepared call (the C side's count agrees), outputs are exact, and the
