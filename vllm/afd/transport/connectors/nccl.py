@@ -51,7 +51,7 @@ import msgspec
 import torch
 
 from vllm.afd.transport import wire
-from vllm.afd.transport.connectors.tcp import TcpConnector
+from vllm.afd.transport.connectors.tcp import SocketConnector
 from vllm.afd.transport.errors import AFDTimeoutError
 from vllm.afd.transport.wire import LayerFrame, ProtocolError
 
@@ -113,12 +113,11 @@ def _bounded(fn, timeout_s: float, what: str) -> Any:
     return result["value"]
 
 
-class NcclConnector(TcpConnector):
+class NcclConnector(SocketConnector):
     name = "nccl"
     stages_through_host = False  # payloads stay on the device: both peers on CUDA
     # No spin_us (refused, so its header socket never spins): never run on a GPU yet.
     extra_config_keys = frozenset()
-    prepares_socket_calls = False  # payloads go through NCCL, not the header socket
 
     def __init__(self, afd_config, *, communicator_factory: CommunicatorFactory | None = None,
                  **kwargs) -> None:

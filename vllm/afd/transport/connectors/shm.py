@@ -72,7 +72,7 @@ from vllm.afd.transport.buffers import HostSlots
 from vllm.afd.transport.connectors.base import (AFDConnectionError, LinkClosed,
                                                 spin_us_setting)
 from vllm.afd.transport.connectors.shm_fast import FastFrames
-from vllm.afd.transport.connectors.tcp import TcpConnector
+from vllm.afd.transport.connectors.tcp import SocketConnector
 from vllm.afd.transport.wire import LayerFrame, ProtocolError
 
 try:  # the module multiprocessing.shared_memory uses, without its resource tracker
@@ -170,12 +170,11 @@ class ShmSegment:
         self._mmap = None
 
 
-class ShmConnector(FastFrames, TcpConnector):
+class ShmConnector(FastFrames, SocketConnector):
     name = "shm"
     stages_through_host = True
     extra_config_keys = frozenset({"notify", "spin_us", "stream_copies"})
     spins_on_socket = False  # its waits spin on the rings (../doorbell.py)
-    prepares_socket_calls = False  # payloads go through the lane (shm_fast.py)
 
     def __init__(self, afd_config, **kwargs) -> None:
         super().__init__(afd_config, **kwargs)

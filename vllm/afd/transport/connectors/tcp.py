@@ -267,7 +267,10 @@ def _unsent(parts: list, sent: int) -> list:
     return rest
 
 
-class TcpConnector(SocketCalls, AFDConnector):
+class SocketConnector(AFDConnector):
+    """Frames over one socket per peer: tcp's connector, and the header channel
+    of shm's and nccl's, whose payloads travel elsewhere."""
+
     name = "tcp"
     authenticates = True  # see ../handshake.py and ../auth.py
     stages_through_host = True
@@ -289,7 +292,6 @@ class TcpConnector(SocketCalls, AFDConnector):
         # Host staging of device payloads, per peer (see ../buffers.py).
         self._tx_staging: dict[int, HostSlots] = {}
         self._rx_staging: dict[int, HostSlots] = {}
-        self._init_socket_calls()  # layer calls in one C call per message end (tcp_fast.py)
 
     @property
     def address(self) -> str:
@@ -523,3 +525,12 @@ class TcpConnector(SocketCalls, AFDConnector):
             for slots in table.values():
                 slots.close()
             table.clear()
+
+
+class TcpConnector(SocketCalls, SocketConnector):
+    """The tcp connector: payloads on the socket, a step's layer calls in one C
+    call per message end (tcp_fast.py)."""
+
+    def __init__(self, afd_config, **kwargs) -> None:
+        super().__init__(afd_config, **kwargs)
+        self._init_socket_calls()

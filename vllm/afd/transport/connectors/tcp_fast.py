@@ -43,9 +43,9 @@ the last copy out of its slot (HostSlots.release), receives into it, and
 copies it to the device on the consumer's stream. fp8 and routed frames keep
 the general path.
 
-Mixed into TcpConnector (tcp.py) ahead of the protocol classes; the shm and
-nccl connectors, whose payloads do not travel on the socket, turn it off
-(prepares_socket_calls).
+Mixed into TcpConnector (tcp.py) ahead of SocketConnector; the shm and nccl
+connectors, whose payloads do not travel on the socket, derive from
+SocketConnector without it.
 """
 
 import errno
@@ -78,11 +78,9 @@ def socket_frame_template(dtype: torch.dtype, rows: int, hidden: int, prefix
 
 
 class SocketCalls:
-    """See the module docstring. Needs, from TcpConnector: _links (SocketLinks
+    """See the module docstring. Needs, from SocketConnector: _links (SocketLinks
     once connected: their socket, spin and frame prefix), _rx_buffer,
     _typed_view, and the protocol state of attention_side.py and ffn_side.py."""
-
-    prepares_socket_calls = True  # False: payloads travel elsewhere (shm, nccl)
 
     def _init_socket_calls(self) -> None:
         # rows -> (template or None: this shape goes the general way)
@@ -99,7 +97,7 @@ class SocketCalls:
     def _socket_calls_usable(self) -> bool:
         """Host memory both ends (CUDA tensors staged through it), exact
         transfer both ways, no routing."""
-        return (self.prepares_socket_calls and self.device.type in ("cpu", "cuda")
+        return (self.device.type in ("cpu", "cuda")
                 and not self.send_scale_group and not self.receive_scale_group
                 and not self.routing_topk)
 
@@ -175,18 +173,14 @@ class SocketCalls:
     # ------------------------------------------------------- attention side
     def send_step(self, header: wire.StepHeader) -> None:
         super().send_step(header)
-        if self.is_attention and self.prepares_socket_calls:
+        if self.is_attention:
             self._prepare_socket_calls(0, header)
 
     def exchange_prepared(self) -> bool:
-        if self.prepares_socket_calls:
-            return self._socket_prepared.get(0) is not None
-        return super().exchange_prepared()
+        return self._socket_prepared.get(0) is not None
 
     def prepared_send(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
                       out: torch.Tensor | None) -> bool:
-        if not self.prepares_socket_calls:
-            return super().prepared_send(layer_id, ubatch_id, h, out)
         prepared = self._socket_prepared.get(0)
         if prepared is None or self._in_flight or self._failure is not None:
             return False
@@ -210,8 +204,6 @@ class SocketCalls:
         return True
 
     def prepared_recv(self, layer_id: int, ubatch_id: int, out: torch.Tensor) -> bool:
-        if not self.prepares_socket_calls:
-            return super().prepared_recv(layer_id, ubatch_id, out)
         prepared = self._socket_prepared.get(0)
         if prepared is None:
             raise ValueError(f"{self.me}: prepared_recv without prepared_send")
@@ -235,27 +227,23 @@ class SocketCalls:
         return False
 
     def take_exchange_send_s(self) -> float:
-        if self.prepares_socket_calls:
-            return self._socket_send_s(0)
-        return super().take_exchange_send_s()
+        return self._socket_send_s(0)
 
     # ------------------------------------------------------------- FFN side
     def recv_step(self, peer: int = 0, timeout_s: float | None = None) -> wire.StepHeader:
         header = super().recv_step(peer, timeout_s)
-        if not self.is_attention and self.prepares_socket_calls:
+        if not self.is_attention:
             self._prepare_socket_calls(peer, header)
         return header
 
     def reply_and_recv(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor,
                        next_layer: int, next_ubatch: int) -> "torch.Tensor":
-        if self.prepares_socket_calls and self.reply_prepared(peer, layer_id, ubatch_id, out):
+        if self.reply_prepared(peer, layer_id, ubatch_id, out):
             return self.recv_prepared(peer, next_layer, next_ubatch)
         return super().reply_and_recv(peer, layer_id, ubatch_id, out, next_layer, next_ubatch)
 
     def reply_prepared(self, peer: int, layer_id: int, ubatch_id: int,
                        out: torch.Tensor) -> bool:
-        if not self.prepares_socket_calls:
-            return super().reply_prepared(peer, layer_id, ubatch_id, out)
         prepared = self._socket_prepared.get(peer)
         awaiting, key = self._awaiting, (peer, ubatch_id)
         awaited = awaiting.get(key)
@@ -283,8 +271,6 @@ class SocketCalls:
         return True
 
     def recv_prepared(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor":
-        if not self.prepares_socket_calls:
-            return super().recv_prepared(peer, layer_id, ubatch_id)
         prepared = self._socket_prepared.get(peer)
         if prepared is not None and self._failure is None:
             calls, C, sizes = prepared
@@ -311,18 +297,13 @@ class SocketCalls:
                     defer: bool = False) -> torch.Tensor:
         # A step's first call, and what the FFN loop receives outside
         # reply_and_recv: the prepared receive where it can take it.
-        if (self.prepares_socket_calls and not self.is_attention
-                and self._socket_prepared.get(peer) is not None):
+        if not self.is_attention and self._socket_prepared.get(peer) is not None:
             return self.recv_prepared(peer, layer_id, ubatch_id)
         return super().recv_hidden(peer, layer_id, ubatch_id, defer=defer)
 
     def send_output(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> None:
-        if not (self.prepares_socket_calls
-                and self.reply_prepared(peer, layer_id, ubatch_id, out)):
+        if not self.reply_prepared(peer, layer_id, ubatch_id, out):
             super().send_output(peer, layer_id, ubatch_id, out)
 
     def take_reply_send_s(self, peer: int) -> float:
-        sent = super().take_reply_send_s(peer)
-        if self.prepares_socket_calls:
-            sent += self._socket_send_s(peer)
-        return sent
+        return super().take_reply_send_s(peer) + self._socket_send_s(peer)
