@@ -93,6 +93,27 @@ def general_steps(attn, steps: list[int], layers: int) -> None:
             assert torch.equal(attn.recv_output(layer, 0), h * 2 + layer)
 
 
+def loop_and_link(connector: str, layers: list[int]):
+    """A real FFN loop (its mlp h @ weight + layer, started) and an attention
+    link (not yet started) over connector, up to two micro-batches; and weight."""
+    weight = torch.randn(HIDDEN, HIDDEN) / HIDDEN
+
+    def mlp(layer, h, routing):
+        return (h @ weight) + layer
+
+    config = dict(connector=connector, port=free_port(), timeout_s=10, num_ubatches=2,
+                  connector_extra_config={"spin_us": 20_000})
+    loop = FFNLoop(LinkConfig(role="ffn", **config), layers=layers, compute=mlp,
+                   hidden_size=HIDDEN, dtype=torch.float32, max_tokens=32,
+                   placement=FFNPlacement(rank=0, group=[0]), warmup_sizes=[])
+    loop.start()
+    link = AttentionLink(LinkConfig(**config), hidden_size=HIDDEN, dtype=torch.float32,
+                         max_tokens=32)
+    for layer in layers:
+        link.add_layer(layer)
+    return loop, link, weight
+
+
 def test_prepared_calls_carry_every_layer_call_and_count_like_the_general_path(
         patient_waits):
     """Every message end of every layer call goes through a prepared call
@@ -246,25 +267,8 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps(pat
     its bookkeeping), give the FFN's results, and their time is
     split into sending and waiting as the general path's is; each side counts
     its spins' preemptions and backoffs in its link statistics."""
-    from test_connectors import free_port
-
-    port = free_port()
-    weight = torch.randn(HIDDEN, HIDDEN) / HIDDEN
     layers = [0, 1, 2]
-
-    def mlp(layer, h, routing):
-        return (h @ weight) + layer
-
-    config = dict(connector="shm", port=port, timeout_s=10, num_ubatches=2,
-                  connector_extra_config={"spin_us": 20_000})
-    loop = FFNLoop(LinkConfig(role="ffn", **config), layers=layers, compute=mlp,
-                   hidden_size=HIDDEN, dtype=torch.float32, max_tokens=32,
-                   placement=FFNPlacement(rank=0, group=[0]), warmup_sizes=[])
-    loop.start()
-    link = AttentionLink(LinkConfig(**config), hidden_size=HIDDEN, dtype=torch.float32,
-                         max_tokens=32)
-    for layer in layers:
-        link.add_layer(layer)
+    loop, link, weight = loop_and_link("shm", layers)
     try:
         assert loop.ready.wait(10)
         link.start()

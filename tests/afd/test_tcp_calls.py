@@ -15,16 +15,13 @@ import time
 
 import pytest
 import torch
-from test_connectors import HIDDEN, Background, free_port
-from test_prepared_calls import prepared_steps, reply_echo, tcp_pair
+from test_connectors import HIDDEN, Background
+from test_prepared_calls import loop_and_link, prepared_steps, reply_echo, tcp_pair
 
-from vllm.afd.attention.link import AttentionLink, StepPlan
-from vllm.afd.ffn.loop import FFNLoop
-from vllm.afd.topology import FFNPlacement
-from vllm.afd.transport.config import LinkConfig
+from vllm.afd.attention.link import StepPlan
 from vllm.afd.transport.connectors.base import AFDConnectionError
-from vllm.afd.transport.connectors.tcp import SocketLink
-from vllm.afd.transport.connectors.tcp_fast import socket_frame_template
+from vllm.afd.transport.connectors.tcp import SocketConnector, SocketLink
+from vllm.afd.transport.connectors.tcp_fast import SocketCalls, socket_frame_template
 from vllm.afd.transport.wire import StepHeader
 
 
@@ -139,20 +136,21 @@ def test_a_peer_gone_mid_payload_fails_the_connector_at_once():
 
 
 def test_shm_keeps_its_payloads_off_the_socket():
-    """The shm connector (a TcpConnector for its header socket) prepares no
-    socket calls: its layer calls go through the lane."""
+    """The shm connector (a SocketConnector for its header socket, like tcp)
+    has no socket calls: its layer calls go through the lane."""
     from test_doorbell import pair
 
     ffn, attn = pair(spin_us=20_000)
     server = Background(reply_echo, ffn, 2, None)
     try:
         prepared_steps(attn, [3], 2)
-        assert attn._socket_prepared == {} and attn.socket_calls == 0
         assert attn.fast_calls == 4
     finally:
         attn.close()
         server.join_result()
-    assert ffn._socket_prepared == {} and ffn.socket_calls == 0
+    assert ffn.fast_calls == 4
+    for side in (attn, ffn):
+        assert isinstance(side, SocketConnector) and not isinstance(side, SocketCalls)
     ffn.close()
 
 
@@ -162,23 +160,8 @@ def test_the_link_and_the_loop_take_socket_calls():
     give the FFN's results."""
     from vllm.afd.attention.pingpong import run_micro_batches
 
-    port = free_port()
-    weight = torch.randn(HIDDEN, HIDDEN) / HIDDEN
     layers = [0, 1, 2]
-
-    def mlp(layer, h, routing):
-        return (h @ weight) + layer
-
-    config = dict(connector="tcp", port=port, timeout_s=10, num_ubatches=2,
-                  connector_extra_config={"spin_us": 20_000})
-    loop = FFNLoop(LinkConfig(role="ffn", **config), layers=layers, compute=mlp,
-                   hidden_size=HIDDEN, dtype=torch.float32, max_tokens=32,
-                   placement=FFNPlacement(rank=0, group=[0]), warmup_sizes=[])
-    loop.start()
-    link = AttentionLink(LinkConfig(**config), hidden_size=HIDDEN, dtype=torch.float32,
-                         max_tokens=32)
-    for layer in layers:
-        link.add_layer(layer)
+    loop, link, weight = loop_and_link("tcp", layers)
     try:
         assert loop.ready.wait(10)
         link.start()
