@@ -33,6 +33,10 @@ from pathlib import Path
 HIDDEN = 512  # bf16: 1 KiB per token
 TOKENS = (1, 4, 16, 64, 256, 1024)  # 1 KiB ... 1 MiB per direction
 LAYERS = 50  # layer calls per step, as a model's: the step header is once per step
+# --transfer-dtype: AFDConfig.transfer_dtype (fp8-to-ffn: DeepSeek-V3's dispatch
+# in fp8, its combine in bf16)
+TRANSFERS = {"auto": "auto", "fp8": "fp8",
+             "fp8-to-ffn": {"to_ffn": "fp8", "to_attention": "auto"}}
 FLOOR_EVERY = 4 * LAYERS  # shm: connector round trips between two samples of the copy floor
 ATTENTION_CORE, FFN_CORE = 0, 1
 
@@ -50,14 +54,15 @@ def pin(core: int) -> None:
         os.sched_setaffinity(0, {core})
 
 
-def config(role: str, connector: str, port: int, extra: dict):
+def config(role: str, connector: str, port: int, extra: dict, transfer: str = "auto"):
     from vllm.afd.config import AFDConfig
 
     return AFDConfig(role=role, connector=connector, port=port, timeout_s=60,
-                     connector_extra_config=extra)
+                     connector_extra_config=extra, transfer_dtype=TRANSFERS[transfer])
 
 
-def echo_ffn(connector: str, port: int, extra: dict, idle_s: float, report) -> None:
+def echo_ffn(connector: str, port: int, extra: dict, transfer: str, idle_s: float,
+             report) -> None:
     """The FFN end: echo every layer call; after the attention side says it
     is done (a step of zero layers), time the idle wait for the next step."""
     import torch
@@ -66,7 +71,7 @@ def echo_ffn(connector: str, port: int, extra: dict, idle_s: float, report) -> N
 
     pin(FFN_CORE)
     torch.set_num_threads(1)
-    ffn = create_connector(config("ffn", connector, port, extra), hidden_size=HIDDEN,
+    ffn = create_connector(config("ffn", connector, port, extra, transfer), hidden_size=HIDDEN,
                            dtype=torch.bfloat16, max_tokens=max(TOKENS))
     ffn.accept()
     while True:
@@ -83,10 +88,13 @@ def echo_ffn(connector: str, port: int, extra: dict, idle_s: float, report) -> N
                 break
             continue
         # As the FFN loop does: each output sent and the next call's hidden
-        # states received in one connector call (prepared calls on shm).
+        # states received in one connector call (prepared calls on shm); fp8
+        # hidden states come packed and are unpacked, as the batcher does.
         h = ffn.recv_hidden(0, 0, 0)
         for layer in range(LAYERS - 1):
             h = ffn.reply_and_recv(0, layer, 0, h, layer + 1, 0)
+            if type(h) is not torch.Tensor:
+                h = h.tensor()
         ffn.send_output(0, LAYERS - 1, 0, h)
     ffn.close()
 
@@ -124,7 +132,8 @@ def copy_floor_us(nbytes: int, calls: int, echo_spin_s: float
         return None
 
 
-def measure(connector: str, extra: dict, iters: int, idle_s: float) -> dict:
+def measure(connector: str, extra: dict, iters: int, idle_s: float,
+            transfer: str = "auto") -> dict:
     """Round trips by payload size, both paths; with shm, the prepared path is
     interleaved with samples of the copy floor on the same cores: a VM's two
     vCPUs move between sibling threads, cores of one L3 and farther apart
@@ -139,10 +148,11 @@ def measure(connector: str, extra: dict, iters: int, idle_s: float) -> dict:
     port = free_port()
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=echo_ffn, args=(connector, port, extra, idle_s, child),
+    proc = ctx.Process(target=echo_ffn, args=(connector, port, extra, transfer, idle_s, child),
                        daemon=True)
     proc.start()
-    attn = create_connector(config("attention", connector, port, extra), hidden_size=HIDDEN,
+    attn = create_connector(config("attention", connector, port, extra, transfer),
+                            hidden_size=HIDDEN,
                             dtype=torch.bfloat16, max_tokens=max(TOKENS))
     attn.connect()
     paths = {"round_trip": True, "round_trip_general": False}
@@ -234,6 +244,9 @@ def main(argv=None) -> int:
     ap.add_argument("--extra", default='{"spin_us": 5000}',
                     help="connector_extra_config (JSON) for shm, and its spin_us for tcp "
                          "(default: %(default)s, the setting for cores of their own)")
+    ap.add_argument("--transfer-dtype", choices=sorted(TRANSFERS), default="auto",
+                    help="AFDConfig.transfer_dtype of both ends (fp8-to-ffn: fp8 to the "
+                         "FFN, exact back)")
     ap.add_argument("--out", type=Path,
                     default=Path(__file__).parent / "results" / "link_latency.json")
     args = ap.parse_args(argv)
@@ -247,13 +260,15 @@ def main(argv=None) -> int:
         "cpu_model": cpu_model(), "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count(),
         "load_average_1m": os.getloadavg()[0]},
         "settings": {"hidden": HIDDEN, "dtype": "bfloat16", "iters": args.iters,
+                     "transfer_dtype": args.transfer_dtype,
                      "cores": {"attention": ATTENTION_CORE, "ffn": FFN_CORE}},
         "connectors": {}}
     for name in args.connectors.split(","):
         extra = json.loads(args.extra)
         if name != "shm":  # tcp takes the spin only (its socket waits spin)
             extra = {k: v for k, v in extra.items() if k == "spin_us"}
-        res = results["connectors"][name] = measure(name, extra, args.iters, args.idle_s)
+        res = results["connectors"][name] = measure(name, extra, args.iters, args.idle_s,
+                                                    args.transfer_dtype)
         res["connector_extra_config"] = extra
         print(f"{name}: round trip (us) by payload each way; idle CPU "
               f"{res['idle']['idle_cpu_percent']:.1f} % of a core over "

@@ -35,6 +35,7 @@
 
 #include <new>
 
+#include "frame_codec.h"
 #include "lane.h"
 
 namespace afd_lane {
@@ -52,6 +53,7 @@ struct Frame {
   uint8_t header[kMaxHeader];
   Py_ssize_t len = 0, layer_at = 0;
   uint64_t slot = 0, nbytes = 0;
+  FrameCodec codec;  // fp8: packed into / unpacked from the slot (frame_codec.h)
 };
 
 struct Prepared {
@@ -84,7 +86,8 @@ void put_layer(uint8_t* header, Py_ssize_t at, unsigned long layer) {
 }
 
 // frames: a sequence (one per micro-batch) of None or (template bytes,
-// step_at, layer_at, ubatch_at, slot address, nbytes).
+// step_at, layer_at, ubatch_at, slot address, nbytes[, codec spec]); the
+// spec: FrameCodec::load's.
 bool load_frames(PyObject* frames, Frame* out, unsigned long long step) {
   PyObject* seq = PySequence_Fast(frames, "lane_prepare: frames must be a sequence");
   if (seq == nullptr) return false;
@@ -103,14 +106,15 @@ bool load_frames(PyObject* frames, Frame* out, unsigned long long step) {
     if (item != Py_None) {
       Template t;
       unsigned long long slot, nbytes;
-      if (!PyArg_ParseTuple(item, "O!nnnKK", &PyBytes_Type, &t.bytes, &t.step_at, &t.layer_at,
-                            &t.ubatch_at, &slot, &nbytes) ||
-          !t.load()) {
+      PyObject* spec = nullptr;
+      Frame& f = out[u];
+      if (!PyArg_ParseTuple(item, "O!nnnKK|O", &PyBytes_Type, &t.bytes, &t.step_at, &t.layer_at,
+                            &t.ubatch_at, &slot, &nbytes, &spec) ||
+          !t.load() || !f.codec.load(spec, nbytes)) {
         Py_DECREF(item);
         Py_DECREF(seq);
         return false;
       }
-      Frame& f = out[u];
       if (t.len > kMaxHeader || !patch(t, f.header, step, 0, static_cast<unsigned long>(u))) {
         Py_DECREF(item);
         Py_DECREF(seq);
@@ -130,20 +134,23 @@ bool load_frames(PyObject* frames, Frame* out, unsigned long long step) {
 }
 
 // Post frame f for layer with its payload copied from src (not when src is
-// the slot itself). 0, 1 (ring full: nothing sent) or -errno (published, the
-// wake-up failed: the peer is gone, its receive path says so).
+// the slot itself; an fp8 frame's packed from it). 0, 1 (ring full: nothing
+// sent) or -errno (published, the wake-up failed: the peer is gone, its
+// receive path says so).
 int post(Prepared* p, Frame& f, unsigned long layer, uint64_t src) {
   Lane* lane = p->lane;
   if (!lane->has_space()) return 1;
-  if (f.nbytes && src != f.slot)
+  if (f.codec.fp8)
+    f.codec.encode(reinterpret_cast<const uint8_t*>(src), reinterpret_cast<uint8_t*>(f.slot));
+  else if (f.nbytes && src != f.slot)
     lane->copy_payload(reinterpret_cast<uint8_t*>(f.slot), reinterpret_cast<const uint8_t*>(src),
                        f.nbytes);
   put_layer(f.header, f.layer_at, layer);
   return lane->post(f.header, f.len);
 }
 
-// Wait for frame f of layer; consume it and copy its payload to dst (unless
-// dst is 0). True when exactly that frame came.
+// Wait for frame f of layer; consume it and copy (fp8: unpack) its payload to
+// dst (unless dst is 0). True when exactly that frame came.
 bool take(Prepared* p, Frame& f, unsigned long layer, uint64_t dst) {
   Lane* lane = p->lane;
   put_layer(f.header, f.layer_at, layer);
@@ -152,9 +159,13 @@ bool take(Prepared* p, Frame& f, unsigned long layer, uint64_t dst) {
   const uint8_t* header = lane->next_header(&n);
   if (header == nullptr || static_cast<Py_ssize_t>(n) != f.len || memcmp(header, f.header, n) != 0)
     return false;  // another message: left in the ring for the Python path
-  if (f.nbytes)
+  if (f.codec.fp8) {
+    if (dst)
+      f.codec.decode(reinterpret_cast<const uint8_t*>(f.slot), reinterpret_cast<uint8_t*>(dst));
+  } else if (f.nbytes) {
     lane->read_payload(reinterpret_cast<uint8_t*>(dst), reinterpret_cast<const uint8_t*>(f.slot),
                        f.nbytes);
+  }
   lane->consume();
   return true;
 }

@@ -35,6 +35,7 @@
 
 #include <new>
 
+#include "frame_codec.h"
 #include "lane.h"
 
 namespace afd_lane {
@@ -50,6 +51,7 @@ struct SockFrame {
   uint8_t header[kMaxHeader];
   Py_ssize_t len = 0, layer_at = 0;
   uint64_t nbytes = 0;
+  FrameCodec codec;  // fp8: packed into / received into its buffer (frame_codec.h)
 };
 
 struct SockCalls {
@@ -76,7 +78,9 @@ void free_calls(PyObject* capsule) {
 }
 
 // frames: per micro-batch None or (template, step_at, layer_at, ubatch_at,
-// nbytes), the template being the frame's bytes up to its payload.
+// nbytes[, codec spec]), the template being the frame's bytes up to its
+// payload; the spec: FrameCodec::load's (its buffer: where the payload is
+// packed before it is sent, received before it is unpacked).
 bool load(PyObject* frames, SockFrame* out, unsigned long long step) {
   PyObject* seq = PySequence_Fast(frames, "sock_prepare: frames must be a sequence");
   if (seq == nullptr) return false;
@@ -93,10 +97,15 @@ bool load(PyObject* frames, SockFrame* out, unsigned long long step) {
     if (item != Py_None) {
       Template t;
       unsigned long long nbytes;
-      ok = PyArg_ParseTuple(item, "O!nnnK", &PyBytes_Type, &t.bytes, &t.step_at, &t.layer_at,
-                            &t.ubatch_at, &nbytes) &&
-           t.load();
+      PyObject* spec = nullptr;
       SockFrame& f = out[u];
+      ok = PyArg_ParseTuple(item, "O!nnnK|O", &PyBytes_Type, &t.bytes, &t.step_at, &t.layer_at,
+                            &t.ubatch_at, &nbytes, &spec) &&
+           t.load() && f.codec.load(spec, nbytes);
+      if (ok && f.codec.fp8 && nbytes && f.codec.buffer == 0) {
+        PyErr_SetString(PyExc_ValueError, "sock_prepare: an fp8 frame needs a buffer");
+        ok = false;
+      }
       if (ok && (t.len > kMaxHeader ||
                  !patch(t, f.header, step, 0, static_cast<unsigned long>(u)))) {
         PyErr_SetString(PyExc_ValueError, "sock_prepare: bad template");
@@ -121,12 +130,18 @@ int wait_fd(int fd, short events, int64_t until_ns) {
   return poll(&pfd, 1, left_ms > 0 ? static_cast<int>(left_ms < 1000 ? left_ms : 1000) : 0);
 }
 
-// Send frame f of layer with its payload at src: 0 (sent), 1 (nothing sent:
-// the socket's buffer is full or the socket failed; the general send takes
-// over and says why) or -errno (part of the frame went out, the rest could
-// not: the stream is broken).
+// Send frame f of layer with its payload at src (an fp8 frame's packed from
+// it into the frame's buffer first): 0 (sent), 1 (nothing sent: the socket's
+// buffer is full or the socket failed; the general send takes over and says
+// why) or -errno (part of the frame went out, the rest could not: the stream
+// is broken).
 int post(SockCalls* p, SockFrame& f, unsigned long layer, uint64_t src) {
   put_be(f.header + f.layer_at, layer, 4);
+  if (f.codec.fp8) {
+    f.codec.encode(reinterpret_cast<const uint8_t*>(src),
+                   reinterpret_cast<uint8_t*>(f.codec.buffer));
+    src = f.codec.buffer;
+  }
   iovec iov[2] = {{f.header, static_cast<size_t>(f.len)},
                   {reinterpret_cast<void*>(src), static_cast<size_t>(f.nbytes)}};
   int first = 0;
@@ -156,10 +171,11 @@ int post(SockCalls* p, SockFrame& f, unsigned long layer, uint64_t src) {
   }
 }
 
-// Wait for frame f of layer and take it, its payload into dst: 1 (taken), 0
-// (not there within the wait's bound, or something else is: nothing read, the
-// general receive takes over) or -errno (the header was read, the payload did
-// not follow).
+// Wait for frame f of layer and take it, its payload into dst (an fp8
+// frame's received into the frame's buffer and unpacked into dst, unless dst
+// is 0): 1 (taken), 0 (not there within the wait's bound, or something else
+// is: nothing read, the general receive takes over) or -errno (the header was
+// read, the payload did not follow).
 int take(SockCalls* p, SockFrame& f, unsigned long layer, uint64_t dst) {
   put_be(f.header + f.layer_at, layer, 4);
   uint8_t seen[kMaxHeader];
@@ -183,7 +199,7 @@ int take(SockCalls* p, SockFrame& f, unsigned long layer, uint64_t dst) {
       wait_fd(p->fd, POLLIN, wait_end);
   }
   if (recv(p->fd, seen, len, MSG_DONTWAIT) != static_cast<ssize_t>(len)) return -EPROTO;
-  uint8_t* to = reinterpret_cast<uint8_t*>(dst);
+  uint8_t* to = reinterpret_cast<uint8_t*>(f.codec.fp8 ? f.codec.buffer : dst);
   uint64_t got = 0;
   const int64_t stall_end = afd_now_ns() + static_cast<int64_t>(p->timeout_ms) * 1000000;
   while (got < f.nbytes) {
@@ -202,6 +218,7 @@ int take(SockCalls* p, SockFrame& f, unsigned long layer, uint64_t dst) {
     else
       wait_fd(p->fd, POLLIN, stall_end);
   }
+  if (f.codec.fp8 && dst) f.codec.decode(to, reinterpret_cast<uint8_t*>(dst));
   return 1;
 }
 

@@ -135,10 +135,10 @@ def test_prepared_calls_carry_every_layer_call_and_count_like_the_general_path(
     finally:
         attn.close()
         assert server.join_result() == len(steps)
-    # The FFN's first receive of a step is recv_hidden's fast path, its last
-    # send send_output's; everything between is reply_and_recv's.
+    # The FFN's first receive of a step (recv_hidden) and its last send
+    # (send_output) are prepared calls too; everything between is reply_and_recv's.
     assert ffn.fast_calls == 2 * calls
-    assert posted == [layers - 1] * len(steps)  # a reply for every call but the last
+    assert posted == [layers] * len(steps)  # a prepared reply for every call
     ffn.close()
     ffn2, attn2 = pair(spin_us=20_000)
     server = Background(reply_echo, ffn2, layers)

@@ -21,14 +21,17 @@ from vllm.afd.transport.connectors.shm_fast import frame_template
 from vllm.afd.transport.wire import ProtocolError, StepHeader
 
 
+@pytest.mark.parametrize("scale_group", [0, wire.FP8_SCALE_GROUP], ids=["exact", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_frame_templates_decode_to_the_frames_they_stand_for(dtype):
+def test_frame_templates_decode_to_the_frames_they_stand_for(dtype, scale_group):
     """A template patched with any step, layer and micro-batch is the encoding
     of exactly the LayerFrame wire.layer_frame describes (msgspec reads the
-    fixed-width integers), for small and large shapes."""
+    fixed-width integers), for small and large shapes, exact and fp8."""
     rng = random.Random(5)
+    encoding = wire.FP8_E4M3 if scale_group else wire.EXACT
     for rows in (1, 2, 127, 128, 255, 256, 65535, 65536, 1 << 20):
-        encoded, step_at, layer_at, ubatch_at, nbytes = frame_template(dtype, rows, 7168)
+        encoded, step_at, layer_at, ubatch_at, nbytes = frame_template(dtype, rows, 7168,
+                                                                       scale_group)
         for _ in range(20):
             step, layer, ubatch = (rng.randrange(1 << rng.choice((7, 16, 40, 63))),
                                    rng.randrange(1 << rng.choice((7, 16, 31))),
@@ -39,10 +42,12 @@ def test_frame_templates_decode_to_the_frames_they_stand_for(dtype):
             patched[ubatch_at:ubatch_at + 4] = ubatch.to_bytes(4, "big")
             frame = wire.decode(bytes(patched))
             assert frame == wire.layer_frame(torch.empty(rows, 7168, dtype=dtype, device="meta"),
-                                             step_id=step, layer_id=layer, ubatch_id=ubatch)
+                                             step_id=step, layer_id=layer, ubatch_id=ubatch,
+                                             scale_group=scale_group)
             assert frame.nbytes == nbytes
             wire.check_frame(frame, step_id=step, layer_id=layer, ubatch_id=ubatch,
-                             max_bytes=nbytes, expected_shape=[rows, 7168], dtype=dtype)
+                             max_bytes=nbytes, expected_shape=[rows, 7168], dtype=dtype,
+                             encoding=encoding, scale_group=scale_group)
 
 
 @pytest.mark.parametrize("spin_us", [0, 20_000])
@@ -118,8 +123,10 @@ def test_an_error_frame_instead_of_the_output_reaches_the_caller_through_the_fas
 
 
 def test_what_the_fast_path_cannot_carry_goes_the_general_way():
-    """Routing, fp8, a non-contiguous or wrongly shaped tensor: no lane call;
-    the general path sends it, or raises the caller's bug as before."""
+    """send_hidden / recv_output (the per-call fast path) with routing or fp8
+    (which the prepared calls carry: test_fp8_calls.py), a non-contiguous or
+    wrongly shaped tensor: no lane call; the general path sends it, or raises
+    the caller's bug as before."""
     port = free_port()
     cfg = lambda role: AFDConfig(role=role, connector="shm", port=port,  # noqa: E731
                                  timeout_s=10, transfer_dtype="fp8")

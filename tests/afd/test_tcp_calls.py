@@ -52,8 +52,8 @@ def test_layer_calls_go_through_prepared_calls_on_both_ends():
     # (send_output) are prepared calls too.
     assert ffn.socket_calls == 2 * calls
     payload = sum(steps) * layers * HIDDEN * 4
-    header = sum(len(socket_frame_template(torch.float32, rows, HIDDEN, SocketLink.prefix)[0])
-                 for rows in steps) * layers
+    header = sum(len(socket_frame_template(torch.float32, rows, HIDDEN, 0,
+                                           SocketLink.prefix)[0]) for rows in steps) * layers
     assert ffn.bytes_received - attn.bytes_sent == 0
     assert attn.bytes_received == ffn.bytes_sent
     assert ffn.bytes_sent >= payload + header  # and the goodbye's, the step headers'
@@ -85,7 +85,7 @@ def test_the_general_paths_frames_are_read_by_the_general_receive():
 def expected_frame(step: int, layer: int, ubatch: int, rows: int) -> tuple[bytes, int]:
     """The prepared frame's bytes up to its payload, and the payload's size."""
     encoded, step_at, layer_at, ubatch_at, nbytes = socket_frame_template(
-        torch.float32, rows, HIDDEN, SocketLink.prefix)
+        torch.float32, rows, HIDDEN, 0, SocketLink.prefix)
     frame = bytearray(encoded)
     for at, value, width in ((step_at, step, 8), (layer_at, layer, 4), (ubatch_at, ubatch, 4)):
         frame[at:at + width] = value.to_bytes(width, "big")

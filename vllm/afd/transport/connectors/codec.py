@@ -151,13 +151,20 @@ class PayloadCodec:
             weights, ids = wire.routing_views(raw, layout, rows, frame.topk)
         if frame.scale_group == 0:
             return raw[:layout.hidden_nbytes].view(dtype).view(rows, hidden), None, weights, ids
-        key = (peer, frame.ubatch_id)
-        buffer = self._unpack_buffers.get(key)
-        if buffer is None or buffer.device != raw.device or buffer.dtype != dtype:
-            buffer = self._unpack_buffers[key] = torch.empty(
-                self.max_tokens * hidden, dtype=dtype, device=raw.device)
+        buffer = self._unpack_buffer(peer, frame.ubatch_id, dtype, raw.device)
         return (buffer[:rows * hidden].view(rows, hidden), raw[:layout.weights_offset],
                 weights, ids)
+
+    def _unpack_buffer(self, peer: int, ubatch_id: int, dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor:
+        """Where fp8 hidden states of (peer, micro-batch) are unpacked: flat,
+        room for max_tokens rows, the same memory for every call."""
+        key = (peer, ubatch_id)
+        buffer = self._unpack_buffers.get(key)
+        if buffer is None or buffer.device != device or buffer.dtype != dtype:
+            buffer = self._unpack_buffers[key] = torch.empty(
+                self.max_tokens * self.hidden_size, dtype=dtype, device=device)
+        return buffer
 
 
 class Packed:

@@ -17,7 +17,8 @@ common case takes one call into csrc/cpu/lane.cpp instead:
              copy the payload into the caller's `out`: lane_recv_frame
 
 Which case is common: CPU tensors (host memory on both ends), exact transfer
-(no fp8), no routing, the caller's own checks passing. Everything else, and
+(no fp8: the prepared calls below carry it), no routing, the caller's own
+checks passing. Everything else, and
 every surprise, takes the general path of attention_side.py / ffn_side.py,
 unchanged: a message that is not the expected frame (an ErrorFrame, a goodbye,
 a malformed or mismatched frame) is left in the ring for it, so it decodes it
@@ -56,6 +57,15 @@ Both fall back as the calls above do: nothing sent (a full ring) means the
 general path does it all; sent but no expected answer in time means the
 general receive takes over, with its own timeout and errors.
 
+fp8 directions (AFDConfig.transfer_dtype) take them too, for host tensors:
+the frame's template says fp8 and the C call packs the caller's tensor into
+the slot (sending) or unpacks the slot into the caller's tensor, on the FFN
+into the connector's unpack buffer (receiving), with afd::pack's row kernels
+(csrc/cpu/frame_codec.h): the general path's bytes, one C call instead of a
+dispatcher round trip and a dozen Python helpers per message end (bench-link,
+fp8 to the FFN, 1 KiB: 82 -> 3.5 us a round trip). CUDA tensors with fp8 keep
+the general path (their packing runs on the device).
+
 Device tensors (CUDA) take the prepared calls too, staged through the same
 slots: the sender copies its tensor into its slot and waits for the copy (the
 peer reads the slot once the header is out), then posts with the slot itself
@@ -86,14 +96,13 @@ _STEP_MARK, _LAYER_MARK, _UBATCH_MARK = 1 << 40, 1 << 20, (1 << 20) + 1
 _FIELDS = ((b"\xa7step_id\xcf", 8), (b"\xa8layer_id\xce", 4), (b"\xa9ubatch_id\xce", 4))
 
 
-def frame_template(dtype: torch.dtype, rows: int, hidden: int
+def frame_template(dtype: torch.dtype, rows: int, hidden: int, scale_group: int = 0
                    ) -> "tuple[bytes, int, int, int, int] | None":
     """(encoded LayerFrame, step offset, layer offset, micro-batch offset,
-    payload bytes) for an exact frame of [rows, hidden] dtype without routing,
-    or None if its encoding cannot be patched (never for today's wire)."""
-    frame = LayerFrame(step_id=_STEP_MARK, layer_id=_LAYER_MARK, ubatch_id=_UBATCH_MARK,
-                       dtype=wire.dtype_name(dtype), shape=[rows, hidden],
-                       nbytes=wire.frame_nbytes(dtype, [rows, hidden], 0, 0))
+    payload bytes) for a frame of [rows, hidden] dtype without routing, exact
+    or (scale_group > 0) fp8, or None if its encoding cannot be patched (never
+    for today's wire)."""
+    frame = _frame(dtype, rows, hidden, scale_group, _STEP_MARK, _LAYER_MARK, _UBATCH_MARK)
     encoded = wire.encode(frame)
     offsets = []
     for key, _ in _FIELDS:
@@ -106,13 +115,39 @@ def frame_template(dtype: torch.dtype, rows: int, hidden: int
     patched = bytearray(encoded)
     for at, value, (_, width) in zip(offsets, (step, layer, ubatch), _FIELDS):
         patched[at:at + width] = value.to_bytes(width, "big")
-    # The frame wire.layer_frame makes for such a tensor (built without one: this
-    # may run inside a traced or captured forward, where a tensor would be an op).
-    expected = LayerFrame(step_id=step, layer_id=layer, ubatch_id=ubatch,
-                          dtype=frame.dtype, shape=[rows, hidden], nbytes=frame.nbytes)
+    expected = _frame(dtype, rows, hidden, scale_group, step, layer, ubatch)
     if len(encoded) > 512 or wire.decode(bytes(patched)) != expected:
         return None
     return (encoded, *offsets, frame.nbytes)
+
+
+def _frame(dtype: torch.dtype, rows: int, hidden: int, scale_group: int, step: int,
+           layer: int, ubatch: int) -> LayerFrame:
+    """The frame wire.layer_frame makes for such a tensor (built without one:
+    this may run inside a traced or captured forward, where a tensor would be
+    an op)."""
+    shape = [rows, hidden]
+    return LayerFrame(step_id=step, layer_id=layer, ubatch_id=ubatch,
+                      dtype=wire.dtype_name(dtype), shape=shape,
+                      nbytes=wire.frame_nbytes(dtype, shape, 0, scale_group),
+                      encoding=wire.FP8_E4M3 if scale_group else wire.EXACT,
+                      scale_group=scale_group)
+
+
+# csrc/cpu/pack_isa.h's PackDtype: the compute dtypes the fp8 row kernels take.
+_PACK_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def codec_spec(dtype: torch.dtype, rows: int, hidden: int, scale_group: int,
+               buffer: int = 0) -> "tuple | None | bool":
+    """How a prepared frame's C call encodes its payload (csrc/cpu/frame_codec.h):
+    None for exact, a spec for fp8 (buffer: where a socket frame's payload is
+    packed or received), False where the C calls cannot encode it (a dtype the
+    kernels do not take: the general path does)."""
+    if not scale_group:
+        return None
+    code = _PACK_DTYPES.get(dtype)
+    return False if code is None else (rows, hidden, code, scale_group, buffer)
 
 
 class FastFrames:
@@ -135,6 +170,13 @@ class FastFrames:
         # Host tensors on a host connector: no staging, no slot events to settle.
         self._on_host = self.device.type == "cpu"
 
+    def _prepared_enabled(self) -> bool:
+        """The prepared calls: host memory both ends (CUDA tensors staged
+        through it, exact only: csrc/cpu/frame_codec.h packs host memory),
+        exact or fp8, no routing."""
+        return (not self.routing_topk and self.device.type in ("cpu", "cuda")
+                and (self._on_host or not (self.send_scale_group or self.receive_scale_group)))
+
     def _fast_enabled(self) -> bool:
         """Host memory both ends (CUDA tensors staged through it), exact
         transfer both ways, no routing."""
@@ -152,9 +194,10 @@ class FastFrames:
         tx.write(u, (t,), t.nbytes)
         return tx.slot(u).data_ptr()
 
-    def _template(self, table: dict, rows: int):
+    def _template(self, table: dict, rows: int, scale_group: int = 0):
+        """The frame template of rows (in this direction's encoding: its table's)."""
         if rows not in table:
-            table[rows] = frame_template(self.dtype, rows, self.hidden_size)
+            table[rows] = frame_template(self.dtype, rows, self.hidden_size, scale_group)
         return table[rows]
 
     def _addresses(self, peer: int) -> tuple[list[int], list[int]] | None:
@@ -217,7 +260,7 @@ class FastFrames:
         self._prepared[peer] = None
         self._prepared_send_ns.pop(peer, None)
         link = self._links.get(peer)
-        if (step.is_goodbye or step.is_shutdown or not self._fast_enabled()
+        if (step.is_goodbye or step.is_shutdown or not self._prepared_enabled()
                 or type(link) is not doorbell.RingLink or self._failure is not None
                 or not self._connected):
             return
@@ -225,20 +268,32 @@ class FastFrames:
         if addresses is None:
             return
         sends, recvs, sizes = [], [], []
+        hidden, dtype = self.hidden_size, self.dtype
+        send_group, receive_group = self.send_scale_group, self.receive_scale_group
         for u, rows in enumerate(step.num_tokens):
-            out_t = self._template(self._send_templates, rows)
-            in_t = self._template(self._recv_templates, rows)
-            if out_t is None or in_t is None:
+            out_t = self._template(self._send_templates, rows, send_group)
+            in_t = self._template(self._recv_templates, rows, receive_group)
+            out_codec = codec_spec(dtype, rows, hidden, send_group)
+            in_codec = codec_spec(dtype, rows, hidden, receive_group)
+            if out_t is None or in_t is None or out_codec is False or in_codec is False:
                 return
-            sends.append((*out_t[:4], addresses[0][u], out_t[4]))
-            recvs.append((*in_t[:4], addresses[1][u], in_t[4]))
+            sends.append((*out_t[:4], addresses[0][u], out_t[4], out_codec))
+            recvs.append((*in_t[:4], addresses[1][u], in_t[4], in_codec))
             overhead = link.frame_overhead
-            shape = [rows, self.hidden_size]
+            shape = [rows, hidden]
+            # The FFN's hidden states: a view of the slot (exact; taken without a
+            # copy) or the buffer the C call unpacks fp8 into.
+            view, into = None, 0
+            if not self.is_attention and self._on_host:
+                if in_codec is None:
+                    view = self._rx[peer].view(u, dtype, shape)
+                else:
+                    view = self._unpack_buffer(peer, u, dtype, self.device)[
+                        :rows * hidden].view(rows, hidden)
+                    into = view.data_ptr()
             sizes.append((rows, out_t[4] + overhead + len(out_t[0]),
-                          in_t[4] + overhead + len(in_t[0]), shape,
-                          None if self.is_attention or not self._on_host
-                          else self._rx[peer].view(u, self.dtype, shape),
-                          out_t[4]))
+                          in_t[4] + overhead + len(in_t[0]), shape, view,
+                          rows * hidden * dtype.itemsize, into))
         calls = link.C.lane_prepare(link, link.lane, step.step_id, link.spin_ns,
                                     link.fast_wait_ms, sends, recvs)
         self._prepared[peer] = (calls, link.C, sizes)
@@ -276,8 +331,12 @@ class FastFrames:
         # prepared_recv's, made while the FFN computes.
         if not (h.dtype == self.dtype and h.nbytes == size[5] and h.is_contiguous()):
             return False
-        src = (h.data_ptr() if h.is_cpu and self._on_host
-               else self._staged_source(0, ubatch_id, h))
+        if h.is_cpu and self._on_host:
+            src = h.data_ptr()
+        elif self.send_scale_group:
+            return False  # fp8 is packed from host memory (frame_codec.h)
+        else:
+            src = self._staged_source(0, ubatch_id, h)
         if C.lane_post_call(calls, ubatch_id, layer_id, src) == 1:
             return False  # a full ring: nothing sent
         self.bytes_sent += size[1]
@@ -293,15 +352,17 @@ class FastFrames:
         if out.dtype == dtype and out.nbytes == size[5] and out.is_contiguous():
             # Counted before, so that nothing stands between the output's arrival
             # and the caller; undone when it does not come.
-            self.bytes_received += size[2]
-            self.fast_calls += 1
             on_host = out.is_cpu and self._on_host
-            if C.lane_take_call(calls, ubatch_id, layer_id, out.data_ptr() if on_host else 0):
-                if not on_host:  # staged: from the slot on the caller's stream
-                    self._rx[0].read(ubatch_id, dtype, size[3], out)
-                return True
-            self.bytes_received -= size[2]
-            self.fast_calls -= 1
+            if on_host or not self.receive_scale_group:  # fp8: unpacked into host memory
+                self.bytes_received += size[2]
+                self.fast_calls += 1
+                if C.lane_take_call(calls, ubatch_id, layer_id,
+                                    out.data_ptr() if on_host else 0):
+                    if not on_host:  # staged: from the slot on the caller's stream
+                        self._rx[0].read(ubatch_id, dtype, size[3], out)
+                    return True
+                self.bytes_received -= size[2]
+                self.fast_calls -= 1
         # The general receive takes over (recv_output: its wait, its errors).
         self._in_flight.append((layer_id, ubatch_id, size[3]))
         return False
@@ -370,8 +431,12 @@ class FastFrames:
         # a cold cache, and this is the path from the mlp to the attention side.
         if not (out.dtype == self.dtype and out.nbytes == size[5] and out.is_contiguous()):
             return False
-        src = (out.data_ptr() if out.is_cpu and self._on_host
-               else self._staged_source(peer, ubatch_id, out))
+        if out.is_cpu and self._on_host:
+            src = out.data_ptr()
+        elif self.send_scale_group:
+            return False  # fp8 is packed from host memory (frame_codec.h)
+        else:
+            src = self._staged_source(peer, ubatch_id, out)
         if C.lane_post_call(calls, ubatch_id, layer_id, src) == 1:
             return False
         # Sent: the bookkeeping now, while the attention side computes.
@@ -382,11 +447,18 @@ class FastFrames:
         return True
 
     def recv_prepared(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor":
-        prepared = self._prepared.get(peer)
-        if prepared is None:
+        if self._prepared.get(peer) is None:
             return self.recv_hidden(peer, layer_id, ubatch_id, defer=True)
-        calls, C, sizes = prepared
-        _, _, received, shape, view, _ = sizes[ubatch_id]
+        h = self._take_prepared(peer, layer_id, ubatch_id)
+        # Not taken: the general receive (ffn_side.py), its wait and its errors.
+        return h if h is not None else super().recv_hidden(peer, layer_id, ubatch_id,
+                                                           defer=True)
+
+    def _take_prepared(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor | None":
+        """The FFN's prepared receive (the step's calls are prepared): the
+        hidden states, or None when they did not come as expected."""
+        calls, C, sizes = self._prepared[peer]
+        _, _, received, shape, view, _, into = sizes[ubatch_id]
         # The receive's bookkeeping as if it will succeed (undone below when it
         # does not): after the receive, only the return stands between it and
         # the next mlp.
@@ -395,7 +467,7 @@ class FastFrames:
         self._routings[key] = None
         self.bytes_received += received
         self.fast_calls += 1
-        if C.lane_take_call(calls, ubatch_id, layer_id, 0):
+        if C.lane_take_call(calls, ubatch_id, layer_id, into):
             # On a device: copied from the slot on this side's stream.
             return view if view is not None else self._rx[peer].read(ubatch_id, self.dtype,
                                                                      shape)
@@ -403,13 +475,18 @@ class FastFrames:
         del self._routings[key]
         self.bytes_received -= received
         self.fast_calls -= 1
-        return self.recv_hidden(peer, layer_id, ubatch_id, defer=True)
+        return None
 
     def take_reply_send_s(self, peer: int) -> float:
         return self._prepared_send_s(peer) + super().take_reply_send_s(peer)
 
     def recv_hidden(self, peer: int, layer_id: int, ubatch_id: int, *,
                     defer: bool = False) -> torch.Tensor:
+        if not self.is_attention and self._prepared.get(peer) is not None:
+            # A step's first call (the rest come through recv_prepared).
+            h = self._take_prepared(peer, layer_id, ubatch_id)
+            return h if h is not None else super().recv_hidden(peer, layer_id, ubatch_id,
+                                                               defer=defer)
         step = self._peer_steps.get(peer)
         if (step is not None and not self.is_attention and self._fast_enabled()
                 and 0 <= ubatch_id < len(step.num_tokens) and self._failure is None
@@ -431,6 +508,8 @@ class FastFrames:
         return super().recv_hidden(peer, layer_id, ubatch_id, defer=defer)
 
     def send_output(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> None:
+        if self.reply_prepared(peer, layer_id, ubatch_id, out):  # a step's last call
+            return
         awaited = self._awaiting.get((peer, ubatch_id))
         if (awaited is not None and awaited[0] == layer_id and not self.is_attention
                 and self._fast_enabled()):

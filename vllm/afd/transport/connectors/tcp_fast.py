@@ -40,8 +40,13 @@ connector's pinned host slots (tcp.py's _staging, ../buffers.py), as the
 general path stages them: the sender copies its tensor into its slot and
 waits for the copy (the frame goes out from the slot), the receiver settles
 the last copy out of its slot (HostSlots.release), receives into it, and
-copies it to the device on the consumer's stream. fp8 and routed frames keep
-the general path.
+copies it to the device on the consumer's stream.
+
+fp8 directions take them for host tensors, as on shm (shm_fast.py): the C
+call packs the tensor into the (peer, micro-batch) pack buffer and sends it
+from there, or receives the payload into the receive buffer and unpacks it
+into the caller's tensor (on the FFN the unpack buffer). Routed frames, and
+fp8 with CUDA tensors, keep the general path.
 
 Mixed into TcpConnector (tcp.py) ahead of SocketConnector; the shm and nccl
 connectors, whose payloads do not travel on the socket, derive from
@@ -54,19 +59,20 @@ import os
 import torch
 
 from vllm.afd.transport import wire
+from vllm.afd.transport.connectors.codec import Packed
 from vllm.afd.transport.errors import LinkClosed, LinkTimeout, What
 
 MAX_PREFIXED_HEADER = 512  # csrc/cpu/sock_calls.cpp's kMaxHeader
 
 
-def socket_frame_template(dtype: torch.dtype, rows: int, hidden: int, prefix
-                          ) -> "tuple[bytes, int, int, int, int] | None":
+def socket_frame_template(dtype: torch.dtype, rows: int, hidden: int, scale_group: int,
+                          prefix) -> "tuple[bytes, int, int, int, int] | None":
     """frame_template's, with the connector's prefix (tcp.PREFIX: magic,
     header length, payload length) in front and the offsets moved past it."""
     # Here, not at the top: shm_fast and doorbell import tcp.py, which imports this.
     from vllm.afd.transport.connectors.shm_fast import frame_template
 
-    template = frame_template(dtype, rows, hidden)
+    template = frame_template(dtype, rows, hidden, scale_group)
     if template is None:
         return None
     encoded, step_at, layer_at, ubatch_at, nbytes = template
@@ -83,8 +89,8 @@ class SocketCalls:
     _typed_view, and the protocol state of attention_side.py and ffn_side.py."""
 
     def _init_socket_calls(self) -> None:
-        # rows -> (template or None: this shape goes the general way)
-        self._socket_templates: dict[int, tuple | None] = {}
+        # (rows, scale group) -> template, or None: this shape goes the general way
+        self._socket_templates: dict[tuple[int, int], tuple | None] = {}
         # peer -> the step's prepared calls: (capsule, C module, per micro-batch
         # (rows, bytes sent, bytes received, [rows, hidden], the receive
         # buffer's typed view on the FFN side, payload bytes)), or None
@@ -95,11 +101,18 @@ class SocketCalls:
         self._socket_on_host = self.device.type == "cpu"
 
     def _socket_calls_usable(self) -> bool:
-        """Host memory both ends (CUDA tensors staged through it), exact
-        transfer both ways, no routing."""
-        return (self.device.type in ("cpu", "cuda")
-                and not self.send_scale_group and not self.receive_scale_group
-                and not self.routing_topk)
+        """Host memory both ends (CUDA tensors staged through it, exact only:
+        csrc/cpu/frame_codec.h packs host memory), exact or fp8, no routing."""
+        return (not self.routing_topk and self.device.type in ("cpu", "cuda")
+                and (self._socket_on_host
+                     or not (self.send_scale_group or self.receive_scale_group)))
+
+    def _socket_template(self, rows: int, scale_group: int, prefix):
+        key = (rows, scale_group)
+        if key not in self._socket_templates:
+            self._socket_templates[key] = socket_frame_template(
+                self.dtype, rows, self.hidden_size, scale_group, prefix)
+        return self._socket_templates[key]
 
     def _prepare_socket_calls(self, peer: int, step: wire.StepHeader) -> None:
         self._socket_prepared[peer] = None
@@ -110,34 +123,51 @@ class SocketCalls:
                 or getattr(link, "sock", None) is None):
             return
         from vllm.afd.transport import doorbell  # imports tcp.py: not at the top
+        from vllm.afd.transport.connectors.shm_fast import codec_spec
 
         C = doorbell.lane_module()
         if not hasattr(C, "sock_prepare"):  # an op library built before them
             return
-        frames, sizes = [], []
+        sends, recvs, sizes = [], [], []
+        hidden, dtype, host = self.hidden_size, self.dtype, torch.device("cpu")
+        send_group, receive_group = self.send_scale_group, self.receive_scale_group
         for u, rows in enumerate(step.num_tokens):
-            if rows not in self._socket_templates:
-                self._socket_templates[rows] = socket_frame_template(
-                    self.dtype, rows, self.hidden_size, link.prefix)
-            template = self._socket_templates[rows]
-            if template is None:
+            out_t = self._socket_template(rows, send_group, link.prefix)
+            in_t = self._socket_template(rows, receive_group, link.prefix)
+            if out_t is None or in_t is None:
                 return
-            frames.append(template)
-            shape = [rows, self.hidden_size]
-            nbytes = template[4]
+            key = (peer, u)
+            # fp8: packed into the (peer, micro-batch) pack buffer and sent from
+            # it; received into the receive buffer and unpacked from it.
+            out_codec = codec_spec(dtype, rows, hidden, send_group)
+            if out_codec:
+                out_codec = (*out_codec[:4], self._pack_target(peer, u, out_t[4],
+                                                               host).data_ptr())
+            in_codec = codec_spec(dtype, rows, hidden, receive_group)
+            if in_codec:
+                in_codec = (*in_codec[:4], self._rx_buffer(key, in_t[4]).data_ptr())
+            if out_codec is False or in_codec is False:
+                return
+            sends.append((*out_t, out_codec))
+            recvs.append((*in_t, in_codec))
+            shape = [rows, hidden]
+            # The FFN's hidden states: received into its receive buffer (exact)
+            # or unpacked from there into its unpack buffer (fp8).
             view = None
             if not self.is_attention and self._socket_on_host:
-                key = (peer, u)
-                view = self._typed_view(key, self._rx_buffer(key, nbytes), self.dtype, shape)
-            size = nbytes + len(template[0])  # the prefix is part of the template
-            sizes.append((rows, size, size, shape, view, nbytes))
+                view = (self._typed_view(key, self._rx_buffer(key, in_t[4]), dtype, shape)
+                        if in_codec is None else self._unpack_buffer(
+                            peer, u, dtype, host)[:rows * hidden].view(rows, hidden))
+            # The prefix is part of the template.
+            sizes.append((rows, out_t[4] + len(out_t[0]), in_t[4] + len(in_t[0]), shape, view,
+                          rows * hidden * dtype.itemsize))
         sock = link.sock
         fd = sock.fileno()
         if fd < 0:  # closed by another thread: the general path says so
             return
         calls = C.sock_prepare(sock, fd, step.step_id, int(link.spin_s * 1e9),
                                doorbell.FAST_WAIT_MS, max(1, int(self.timeout_s * 1000)),
-                               frames, frames)
+                               sends, recvs)
         self._socket_prepared[peer] = (calls, C, sizes)
 
     def _socket_send_s(self, peer: int) -> float:
@@ -190,8 +220,12 @@ class SocketCalls:
         # microseconds on a cold cache).
         if not (h.dtype == self.dtype and h.nbytes == size[5] and h.is_contiguous()):
             return False
-        src = (h.data_ptr() if h.is_cpu and self._socket_on_host
-               else self._socket_staged_source(0, ubatch_id, h))
+        if h.is_cpu and self._socket_on_host:
+            src = h.data_ptr()
+        elif self.send_scale_group:
+            return False  # fp8 is packed from host memory (frame_codec.h)
+        else:
+            src = self._socket_staged_source(0, ubatch_id, h)
         status = C.sock_post_call(calls, ubatch_id, layer_id, src)
         if status == 1:
             return False  # nothing sent: the general path sends, or says why not
@@ -209,8 +243,9 @@ class SocketCalls:
             raise ValueError(f"{self.me}: prepared_recv without prepared_send")
         calls, C, sizes = prepared
         size = sizes[ubatch_id]
-        if out.dtype == self.dtype and out.nbytes == size[5] and out.is_contiguous():
-            on_host = out.is_cpu and self._socket_on_host
+        on_host = out.is_cpu and self._socket_on_host
+        if (out.dtype == self.dtype and out.nbytes == size[5] and out.is_contiguous()
+                and (on_host or not self.receive_scale_group)):  # fp8: into host memory
             status = C.sock_take_call(calls, ubatch_id, layer_id, out.data_ptr() if on_host
                                       else self._socket_staged_target(0, ubatch_id))
             if status == 1:
@@ -254,8 +289,12 @@ class SocketCalls:
         size = sizes[ubatch_id]
         if not (out.dtype == self.dtype and out.nbytes == size[5] and out.is_contiguous()):
             return False
-        src = (out.data_ptr() if out.is_cpu and self._socket_on_host
-               else self._socket_staged_source(peer, ubatch_id, out))
+        if out.is_cpu and self._socket_on_host:
+            src = out.data_ptr()
+        elif self.send_scale_group:
+            return False  # fp8 is packed from host memory (frame_codec.h)
+        else:
+            src = self._socket_staged_source(peer, ubatch_id, out)
         status = C.sock_post_call(calls, ubatch_id, layer_id, src)
         if status == 1:
             return False
@@ -270,36 +309,45 @@ class SocketCalls:
         self._routings.pop(key, None)
         return True
 
-    def recv_prepared(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor":
-        prepared = self._socket_prepared.get(peer)
-        if prepared is not None and self._failure is None:
-            calls, C, sizes = prepared
-            _, _, received, shape, view, _ = sizes[ubatch_id]
-            status = C.sock_take_call(calls, ubatch_id, layer_id,
-                                      view.data_ptr() if view is not None
-                                      else self._socket_staged_target(peer, ubatch_id))
-            if status == 1:
-                key = (peer, ubatch_id)
-                self._awaiting[key] = (layer_id, shape)
-                self._routings[key] = None
-                self.bytes_received += received
-                self.socket_calls += 1
-                # On a device: copied from the slot on this side's stream.
-                return view if view is not None else self._rx_staging[peer].read(
-                    ubatch_id, self.dtype, shape)
-            if status < 0:
-                self._broken(peer, status, What("the hidden states of layer {} ubatch {}",
-                                                layer_id, ubatch_id), "payload")
-        # The general receive (ffn_side.py): its wait, its errors.
-        return super().recv_hidden(peer, layer_id, ubatch_id, defer=True)
+    def recv_prepared(self, peer: int, layer_id: int, ubatch_id: int
+                      ) -> "torch.Tensor | Packed":
+        h = self._socket_recv(peer, layer_id, ubatch_id)
+        if h is None:  # the general receive (ffn_side.py): its wait, its errors
+            return super().recv_hidden(peer, layer_id, ubatch_id, defer=True)
+        return h
 
     def recv_hidden(self, peer: int, layer_id: int, ubatch_id: int, *,
-                    defer: bool = False) -> torch.Tensor:
+                    defer: bool = False) -> "torch.Tensor | Packed":
         # A step's first call, and what the FFN loop receives outside
         # reply_and_recv: the prepared receive where it can take it.
-        if not self.is_attention and self._socket_prepared.get(peer) is not None:
-            return self.recv_prepared(peer, layer_id, ubatch_id)
-        return super().recv_hidden(peer, layer_id, ubatch_id, defer=defer)
+        h = self._socket_recv(peer, layer_id, ubatch_id) if not self.is_attention else None
+        if h is None:
+            return super().recv_hidden(peer, layer_id, ubatch_id, defer=defer)
+        return h
+
+    def _socket_recv(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor | None":
+        """The FFN's prepared receive: the hidden states, or None (not taken)."""
+        prepared = self._socket_prepared.get(peer)
+        if prepared is None or self._failure is not None:
+            return None
+        calls, C, sizes = prepared
+        _, _, received, shape, view, _ = sizes[ubatch_id]
+        status = C.sock_take_call(calls, ubatch_id, layer_id,
+                                  view.data_ptr() if view is not None
+                                  else self._socket_staged_target(peer, ubatch_id))
+        if status == 1:
+            key = (peer, ubatch_id)
+            self._awaiting[key] = (layer_id, shape)
+            self._routings[key] = None
+            self.bytes_received += received
+            self.socket_calls += 1
+            # On a device: copied from the slot on this side's stream.
+            return view if view is not None else self._rx_staging[peer].read(
+                ubatch_id, self.dtype, shape)
+        if status < 0:
+            self._broken(peer, status, What("the hidden states of layer {} ubatch {}",
+                                            layer_id, ubatch_id), "payload")
+        return None
 
     def send_output(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> None:
         if not self.reply_prepared(peer, layer_id, ubatch_id, out):
