@@ -84,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--transfer-dtype", choices=["auto", "fp8", "fp8-to-ffn"], default="auto",
                     help="AFDConfig.transfer_dtype: auto (exact), fp8 (both ways), fp8-to-ffn "
                          "(fp8 hidden states, exact outputs); default: %(default)s")
+    ap.add_argument("--gate-on", choices=["ffn", "attention"], default="ffn",
+                    help="AFDConfig.gate_on: where the MoE routers run (attention: the "
+                         "routing travels with the hidden states); default: %(default)s")
     ap.add_argument("--no-auto", dest="auto", action="store_false",
                     help="skip the AFD run under ubatch_policy 'auto' (the rule choosing m "
                          f"per step, up to {FFN_UBATCHES})")
@@ -156,7 +159,7 @@ def run_worker(args: argparse.Namespace, kind: str, name: str, cores: str,
            "--ubatches", ",".join(map(str, args.ubatches)),
            "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
            "--cores", cores, "--connector", args.connector,
-           "--transfer-dtype", args.transfer_dtype,
+           "--transfer-dtype", args.transfer_dtype, "--gate-on", args.gate_on,
            *(["--spin-us", str(args.spin_us)] if args.spin_us is not None else []),
            "--stream-copies", args.stream_copies,
            *(extra or [])]
@@ -191,7 +194,8 @@ def transfer_dtype(args: argparse.Namespace) -> "str | dict[str, str]":
 
 def link_config(args: argparse.Namespace, port: int, num_ubatches: int) -> dict:
     config = {"connector": args.connector, "port": port, "num_ubatches": num_ubatches,
-              "timeout_s": 120, "transfer_dtype": transfer_dtype(args)}
+              "timeout_s": 120, "transfer_dtype": transfer_dtype(args),
+              "gate_on": args.gate_on}
     extra = {} if args.spin_us is None else {"spin_us": args.spin_us}
     if args.connector == "shm" and args.stream_copies != "auto":
         extra["stream_copies"] = args.stream_copies
@@ -203,7 +207,8 @@ def link_config(args: argparse.Namespace, port: int, num_ubatches: int) -> dict:
 def result_name(args: argparse.Namespace) -> str:
     """afd_vs_colocated, or with the link's settings when not the defaults."""
     parts = [NAME] + ([args.connector] if args.connector != "shm" else []) + (
-        [args.transfer_dtype] if args.transfer_dtype != "auto" else [])
+        [args.transfer_dtype] if args.transfer_dtype != "auto" else []) + (
+        ["gate-attention"] if args.gate_on == "attention" else [])
     return "-".join(parts)
 
 
@@ -330,7 +335,7 @@ def summarize(args: argparse.Namespace, plain: dict, afd: dict[int, dict], floor
         "settings": {"max_tokens_N": n, "prompt_tokens": PROMPT_TOKENS,
                      "repeats": args.repeats, "batch_sizes": args.batch_sizes,
                      "ubatches": args.ubatches, "connector": args.connector,
-                     "transfer_dtype": transfer_dtype(args),
+                     "transfer_dtype": transfer_dtype(args), "gate_on": args.gate_on,
                      "connector_extra_config": link_config(args, 0, 1).get(
                          "connector_extra_config", {}),
                      "ffn_server_num_ubatches": FFN_UBATCHES, **ENGINE_ARGS},

@@ -53,7 +53,7 @@ struct Frame {
   uint8_t header[kMaxHeader];
   Py_ssize_t len = 0, layer_at = 0;
   uint64_t slot = 0, nbytes = 0;
-  FrameCodec codec;  // fp8: packed into / unpacked from the slot (frame_codec.h)
+  FrameCodec codec;  // fp8, routing: packed into / unpacked from the slot (frame_codec.h)
 };
 
 struct Prepared {
@@ -63,6 +63,9 @@ struct Prepared {
   int64_t spin_ns;
   int timeout_ms;
   Frame send[kMaxUbatches], recv[kMaxUbatches];
+  // The same micro-batches' frames with routing (gate_on "attention": MoE
+  // layers' hidden states carry it, dense layers' do not), where prepared.
+  Frame send_routed[kMaxUbatches], recv_routed[kMaxUbatches];
   // Time spent posting and waiting, for the link statistics (read per step).
   int64_t send_ns = 0, wait_ns = 0;
   uint64_t calls = 0;
@@ -134,14 +137,17 @@ bool load_frames(PyObject* frames, Frame* out, unsigned long long step) {
 }
 
 // Post frame f for layer with its payload copied from src (not when src is
-// the slot itself; an fp8 frame's packed from it). 0, 1 (ring full: nothing
-// sent) or -errno (published, the wake-up failed: the peer is gone, its
-// receive path says so).
-int post(Prepared* p, Frame& f, unsigned long layer, uint64_t src) {
+// the slot itself; an fp8 or routed frame's packed from it and the routing
+// at weights and ids). 0, 1 (ring full: nothing sent) or -errno (published,
+// the wake-up failed: the peer is gone, its receive path says so).
+int post(Prepared* p, Frame& f, unsigned long layer, uint64_t src, uint64_t weights,
+         uint64_t ids) {
   Lane* lane = p->lane;
   if (!lane->has_space()) return 1;
-  if (f.codec.fp8)
-    f.codec.encode(reinterpret_cast<const uint8_t*>(src), reinterpret_cast<uint8_t*>(f.slot));
+  if (f.codec.packs)
+    f.codec.encode(reinterpret_cast<const uint8_t*>(src), reinterpret_cast<uint8_t*>(f.slot),
+                   reinterpret_cast<const uint8_t*>(weights),
+                   reinterpret_cast<const uint8_t*>(ids));
   else if (f.nbytes && src != f.slot)
     lane->copy_payload(reinterpret_cast<uint8_t*>(f.slot), reinterpret_cast<const uint8_t*>(src),
                        f.nbytes);
@@ -149,17 +155,29 @@ int post(Prepared* p, Frame& f, unsigned long layer, uint64_t src) {
   return lane->post(f.header, f.len);
 }
 
-// Wait for frame f of layer; consume it and copy (fp8: unpack) its payload to
-// dst (unless dst is 0). True when exactly that frame came.
-bool take(Prepared* p, Frame& f, unsigned long layer, uint64_t dst) {
+bool same(const uint8_t* header, uint32_t n, const Frame& f) {
+  return f.usable && static_cast<Py_ssize_t>(n) == f.len && memcmp(header, f.header, n) == 0;
+}
+
+// Wait for micro-batch u's frame of layer, the plain one or (where prepared)
+// the routed one; consume it and copy (fp8: unpack) its payload's hidden
+// states to dst (unless dst is 0; a routed frame's routing stays in the slot).
+// 1 (the plain frame came), 2 (the routed one), 0 (anything else).
+int take(Prepared* p, unsigned long u, unsigned long layer, uint64_t dst) {
   Lane* lane = p->lane;
-  put_layer(f.header, f.layer_at, layer);
-  if (lane->wait(p->spin_ns, p->timeout_ms) != 1) return false;
+  Frame& plain = p->recv[u];
+  Frame& routed = p->recv_routed[u];
+  if (plain.usable) put_layer(plain.header, plain.layer_at, layer);
+  if (routed.usable) put_layer(routed.header, routed.layer_at, layer);
+  if (lane->wait(p->spin_ns, p->timeout_ms) != 1) return 0;
   uint32_t n;
   const uint8_t* header = lane->next_header(&n);
-  if (header == nullptr || static_cast<Py_ssize_t>(n) != f.len || memcmp(header, f.header, n) != 0)
-    return false;  // another message: left in the ring for the Python path
-  if (f.codec.fp8) {
+  if (header == nullptr) return 0;
+  const bool is_plain = same(header, n, plain);
+  if (!is_plain && !same(header, n, routed))
+    return 0;  // another message: left in the ring for the Python path
+  Frame& f = is_plain ? plain : routed;
+  if (f.codec.packs) {
     if (dst)
       f.codec.decode(reinterpret_cast<const uint8_t*>(f.slot), reinterpret_cast<uint8_t*>(dst));
   } else if (f.nbytes) {
@@ -167,11 +185,12 @@ bool take(Prepared* p, Frame& f, unsigned long layer, uint64_t dst) {
                        f.nbytes);
   }
   lane->consume();
-  return true;
+  return is_plain ? 1 : 2;
 }
 
-bool usable(const Frame* frames, unsigned long u) {
-  if (u >= static_cast<unsigned long>(kMaxUbatches) || !frames[u].usable) {
+bool usable(const Frame* frames, unsigned long u, const Frame* twins = nullptr) {
+  if (u >= static_cast<unsigned long>(kMaxUbatches) ||
+      !(frames[u].usable || (twins != nullptr && twins[u].usable))) {
     PyErr_SetString(PyExc_ValueError, "lane call: micro-batch not prepared");
     return false;
   }
@@ -180,16 +199,18 @@ bool usable(const Frame* frames, unsigned long u) {
 
 }  // namespace
 
-// lane_prepare(owner, lane, step, spin_ns, timeout_ms, sends, recvs) -> prepared
+// lane_prepare(owner, lane, step, spin_ns, timeout_ms, sends, recvs[,
+// routed_sends, routed_recvs]) -> prepared
 // sends/recvs: per micro-batch None or (template, step_at, layer_at,
-// ubatch_at, slot, nbytes). owner stays referenced while the result lives.
+// ubatch_at, slot, nbytes[, codec spec]); the routed ones the same frames
+// with routing (None: none). owner stays referenced while the result lives.
 PyObject* lane_prepare(PyObject*, PyObject* args) {
-  PyObject *owner, *capsule, *sends, *recvs;
+  PyObject *owner, *capsule, *sends, *recvs, *routed_sends = Py_None, *routed_recvs = Py_None;
   unsigned long long step;
   long long spin_ns;
   int timeout_ms;
-  if (!PyArg_ParseTuple(args, "OOKLiOO", &owner, &capsule, &step, &spin_ns, &timeout_ms, &sends,
-                        &recvs))
+  if (!PyArg_ParseTuple(args, "OOKLiOO|OO", &owner, &capsule, &step, &spin_ns, &timeout_ms,
+                        &sends, &recvs, &routed_sends, &routed_recvs))
     return nullptr;
   Lane* lane = lane_of(capsule);
   if (lane == nullptr) return nullptr;
@@ -198,7 +219,9 @@ PyObject* lane_prepare(PyObject*, PyObject* args) {
   Prepared* p = new (memory) Prepared();
   p->owner = nullptr;
   p->lane_capsule = nullptr;
-  if (!load_frames(sends, p->send, step) || !load_frames(recvs, p->recv, step)) {
+  if (!load_frames(sends, p->send, step) || !load_frames(recvs, p->recv, step) ||
+      (routed_sends != Py_None && !load_frames(routed_sends, p->send_routed, step)) ||
+      (routed_recvs != Py_None && !load_frames(routed_recvs, p->recv_routed, step))) {
     p->~Prepared();
     free(memory);
     return nullptr;
@@ -219,39 +242,43 @@ PyObject* lane_prepare(PyObject*, PyObject* args) {
   return result;
 }
 
-// lane_post_call(prepared, ubatch, layer, src) -> 0 (sent) | 1 (ring full:
-// nothing sent) | -errno (sent, but the wake-up failed: the peer is gone, and
-// its receive says so)
+// lane_post_call(prepared, ubatch, layer, src[, weights, ids]) -> 0 (sent) |
+// 1 (ring full: nothing sent) | -errno (sent, but the wake-up failed: the peer
+// is gone, and its receive says so). With weights (not 0): the routed frame,
+// its routing from weights and ids.
 PyObject* lane_post_call(PyObject*, PyObject* args) {
   PyObject* capsule;
   unsigned long ubatch, layer;
-  unsigned long long src;
-  if (!PyArg_ParseTuple(args, "OkkK", &capsule, &ubatch, &layer, &src)) return nullptr;
+  unsigned long long src, weights = 0, ids = 0;
+  if (!PyArg_ParseTuple(args, "OkkK|KK", &capsule, &ubatch, &layer, &src, &weights, &ids))
+    return nullptr;
   Prepared* p = prepared_of(capsule);
-  if (p == nullptr || !usable(p->send, ubatch)) return nullptr;
+  if (p == nullptr || !usable(weights ? p->send_routed : p->send, ubatch)) return nullptr;
   const int64_t t0 = afd_now_ns();
-  const int status = post(p, p->send[ubatch], layer, src);
+  const int status = post(p, (weights ? p->send_routed : p->send)[ubatch], layer, src, weights,
+                          ids);
   p->send_ns += afd_now_ns() - t0;
   if (status != 1) ++p->calls;
   return PyLong_FromLong(status);
 }
 
-// lane_take_call(prepared, ubatch, layer, dst) -> True when the frame of
-// (ubatch, layer) came and was consumed, its payload copied to dst (left in
-// its slot when dst is 0); False after the wait's bound, on a closed link or
-// when another message came (left in the ring for the Python path).
+// lane_take_call(prepared, ubatch, layer, dst) -> 1 (2: its routed frame)
+// when the frame of (ubatch, layer) came and was consumed, its payload copied
+// to dst (left in its slot when dst is 0); 0 after the wait's bound, on a
+// closed link or when another message came (left in the ring for the Python
+// path).
 PyObject* lane_take_call(PyObject*, PyObject* args) {
   PyObject* capsule;
   unsigned long ubatch, layer;
   unsigned long long dst;
   if (!PyArg_ParseTuple(args, "OkkK", &capsule, &ubatch, &layer, &dst)) return nullptr;
   Prepared* p = prepared_of(capsule);
-  if (p == nullptr || !usable(p->recv, ubatch)) return nullptr;
+  if (p == nullptr || !usable(p->recv, ubatch, p->recv_routed)) return nullptr;
   const int64_t t0 = afd_now_ns();
-  bool done;
-  Py_BEGIN_ALLOW_THREADS done = take(p, p->recv[ubatch], layer, dst);
+  int taken;
+  Py_BEGIN_ALLOW_THREADS taken = take(p, ubatch, layer, dst);
   Py_END_ALLOW_THREADS p->wait_ns += afd_now_ns() - t0;
-  return PyBool_FromLong(done);
+  return PyLong_FromLong(taken);
 }
 
 // lane_call_times(prepared) -> (send_ns, wait_ns, calls) so far

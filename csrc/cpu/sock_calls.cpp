@@ -51,7 +51,7 @@ struct SockFrame {
   uint8_t header[kMaxHeader];
   Py_ssize_t len = 0, layer_at = 0;
   uint64_t nbytes = 0;
-  FrameCodec codec;  // fp8: packed into / received into its buffer (frame_codec.h)
+  FrameCodec codec;  // fp8, routing: packed / received in its buffer (frame_codec.h)
 };
 
 struct SockCalls {
@@ -61,6 +61,9 @@ struct SockCalls {
   int64_t fast_wait_ns; // how long a receive waits for its frame to begin at all
   int timeout_ms;       // how long a frame begun may take to finish, either way
   SockFrame send[kMaxUbatches], recv[kMaxUbatches];
+  // The same micro-batches' frames with routing (gate_on "attention": MoE
+  // layers' hidden states carry it, dense layers' do not), where prepared.
+  SockFrame send_routed[kMaxUbatches], recv_routed[kMaxUbatches];
   int64_t send_ns = 0, wait_ns = 0;
   uint64_t calls = 0;
 };
@@ -102,8 +105,8 @@ bool load(PyObject* frames, SockFrame* out, unsigned long long step) {
       ok = PyArg_ParseTuple(item, "O!nnnK|O", &PyBytes_Type, &t.bytes, &t.step_at, &t.layer_at,
                             &t.ubatch_at, &nbytes, &spec) &&
            t.load() && f.codec.load(spec, nbytes);
-      if (ok && f.codec.fp8 && nbytes && f.codec.buffer == 0) {
-        PyErr_SetString(PyExc_ValueError, "sock_prepare: an fp8 frame needs a buffer");
+      if (ok && f.codec.packs && nbytes && f.codec.buffer == 0) {
+        PyErr_SetString(PyExc_ValueError, "sock_prepare: a packed frame needs a buffer");
         ok = false;
       }
       if (ok && (t.len > kMaxHeader ||
@@ -130,16 +133,19 @@ int wait_fd(int fd, short events, int64_t until_ns) {
   return poll(&pfd, 1, left_ms > 0 ? static_cast<int>(left_ms < 1000 ? left_ms : 1000) : 0);
 }
 
-// Send frame f of layer with its payload at src (an fp8 frame's packed from
-// it into the frame's buffer first): 0 (sent), 1 (nothing sent: the socket's
-// buffer is full or the socket failed; the general send takes over and says
-// why) or -errno (part of the frame went out, the rest could not: the stream
-// is broken).
-int post(SockCalls* p, SockFrame& f, unsigned long layer, uint64_t src) {
+// Send frame f of layer with its payload at src (an fp8 or routed frame's
+// packed from it and the routing at weights and ids into the frame's buffer
+// first): 0 (sent), 1 (nothing sent: the socket's buffer is full or the
+// socket failed; the general send takes over and says why) or -errno (part of
+// the frame went out, the rest could not: the stream is broken).
+int post(SockCalls* p, SockFrame& f, unsigned long layer, uint64_t src, uint64_t weights,
+         uint64_t ids) {
   put_be(f.header + f.layer_at, layer, 4);
-  if (f.codec.fp8) {
+  if (f.codec.packs) {
     f.codec.encode(reinterpret_cast<const uint8_t*>(src),
-                   reinterpret_cast<uint8_t*>(f.codec.buffer));
+                   reinterpret_cast<uint8_t*>(f.codec.buffer),
+                   reinterpret_cast<const uint8_t*>(weights),
+                   reinterpret_cast<const uint8_t*>(ids));
     src = f.codec.buffer;
   }
   iovec iov[2] = {{f.header, static_cast<size_t>(f.len)},
@@ -171,23 +177,41 @@ int post(SockCalls* p, SockFrame& f, unsigned long layer, uint64_t src) {
   }
 }
 
-// Wait for frame f of layer and take it, its payload into dst (an fp8
-// frame's received into the frame's buffer and unpacked into dst, unless dst
-// is 0): 1 (taken), 0 (not there within the wait's bound, or something else
-// is: nothing read, the general receive takes over) or -errno (the header was
-// read, the payload did not follow).
-int take(SockCalls* p, SockFrame& f, unsigned long layer, uint64_t dst) {
-  put_be(f.header + f.layer_at, layer, 4);
+// Whether the n bytes seen so far can begin frame f (nullptr: none prepared).
+bool may_be(const uint8_t* seen, size_t n, const SockFrame* f) {
+  return f != nullptr && memcmp(seen, f->header, n < static_cast<size_t>(f->len) ? n : f->len) == 0;
+}
+
+// Wait for micro-batch u's frame of layer, the plain one or (where prepared,
+// routed not nullptr) the routed one, and take it, its payload into dst (an
+// fp8 or routed frame's received into the frame's buffer and its hidden
+// states unpacked into dst, unless dst is 0 or the buffer itself): 1 (the
+// plain frame taken), 2 (the routed one), 0 (not there within the wait's
+// bound, or something else is: nothing read, the general receive takes over)
+// or -errno (the header was read, the payload did not follow).
+int take(SockCalls* p, SockFrame* plain, SockFrame* routed, unsigned long layer, uint64_t dst) {
+  if (plain != nullptr) put_be(plain->header + plain->layer_at, layer, 4);
+  if (routed != nullptr) put_be(routed->header + routed->layer_at, layer, 4);
   uint8_t seen[kMaxHeader];
   const int64_t start = afd_now_ns();
   const int64_t spin_end = start + p->spin_ns;
   const int64_t wait_end = start + (p->spin_ns > p->fast_wait_ns ? p->spin_ns : p->fast_wait_ns);
-  const size_t len = static_cast<size_t>(f.len);
+  // The two frames' prefixes differ (header and payload lengths), so the
+  // bytes seen soon tell which one is coming.
+  size_t want = 0;
+  if (plain != nullptr) want = static_cast<size_t>(plain->len);
+  if (routed != nullptr && static_cast<size_t>(routed->len) > want)
+    want = static_cast<size_t>(routed->len);
+  SockFrame* match = nullptr;
   while (true) {
-    const ssize_t n = recv(p->fd, seen, len, MSG_PEEK | MSG_DONTWAIT);
+    const ssize_t n = recv(p->fd, seen, want, MSG_PEEK | MSG_DONTWAIT);
     if (n > 0) {
-      if (memcmp(seen, f.header, static_cast<size_t>(n)) != 0) return 0;  // another message
-      if (static_cast<size_t>(n) == len) break;
+      const size_t got = static_cast<size_t>(n);
+      const bool maybe_plain = may_be(seen, got, plain), maybe_routed = may_be(seen, got, routed);
+      if (!maybe_plain && !maybe_routed) return 0;  // another message
+      if (maybe_plain && got >= static_cast<size_t>(plain->len)) match = plain;
+      if (maybe_routed && got >= static_cast<size_t>(routed->len)) match = routed;
+      if (match != nullptr) break;
     } else if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
       return 0;  // closed or failed: the general receive reports it
     }
@@ -198,8 +222,10 @@ int take(SockCalls* p, SockFrame& f, unsigned long layer, uint64_t dst) {
     else if (n <= 0)
       wait_fd(p->fd, POLLIN, wait_end);
   }
+  SockFrame& f = *match;
+  const size_t len = static_cast<size_t>(f.len);
   if (recv(p->fd, seen, len, MSG_DONTWAIT) != static_cast<ssize_t>(len)) return -EPROTO;
-  uint8_t* to = reinterpret_cast<uint8_t*>(f.codec.fp8 ? f.codec.buffer : dst);
+  uint8_t* to = reinterpret_cast<uint8_t*>(f.codec.packs ? f.codec.buffer : dst);
   uint64_t got = 0;
   const int64_t stall_end = afd_now_ns() + static_cast<int64_t>(p->timeout_ms) * 1000000;
   while (got < f.nbytes) {
@@ -218,13 +244,13 @@ int take(SockCalls* p, SockFrame& f, unsigned long layer, uint64_t dst) {
     else
       wait_fd(p->fd, POLLIN, stall_end);
   }
-  if (f.codec.fp8 && dst) f.codec.decode(to, reinterpret_cast<uint8_t*>(dst));
-  return 1;
+  if (f.codec.packs && dst) f.codec.decode(to, reinterpret_cast<uint8_t*>(dst));
+  return match == plain ? 1 : 2;
 }
 
-SockFrame* usable(SockFrame* frames, unsigned long u) {
+SockFrame* usable(SockFrame* frames, unsigned long u, bool quiet = false) {
   if (u >= static_cast<unsigned long>(kMaxUbatches) || !frames[u].usable) {
-    PyErr_SetString(PyExc_ValueError, "sock call: micro-batch not prepared");
+    if (!quiet) PyErr_SetString(PyExc_ValueError, "sock call: micro-batch not prepared");
     return nullptr;
   }
   return &frames[u];
@@ -232,17 +258,18 @@ SockFrame* usable(SockFrame* frames, unsigned long u) {
 
 }  // namespace
 
-// sock_prepare(sock, fd, step, spin_ns, fast_wait_ms, timeout_ms, sends, recvs)
-// -> prepared. sends/recvs: per micro-batch None or (template, step_at,
-// layer_at, ubatch_at, nbytes). sock (the socket object) stays referenced
-// while the result lives.
+// sock_prepare(sock, fd, step, spin_ns, fast_wait_ms, timeout_ms, sends, recvs[,
+// routed_sends, routed_recvs]) -> prepared. sends/recvs: per micro-batch None
+// or (template, step_at, layer_at, ubatch_at, nbytes[, codec spec]); the routed
+// ones the same frames with routing (None: none). sock (the socket object)
+// stays referenced while the result lives.
 PyObject* sock_prepare(PyObject*, PyObject* args) {
-  PyObject *owner, *sends, *recvs;
+  PyObject *owner, *sends, *recvs, *routed_sends = Py_None, *routed_recvs = Py_None;
   int fd, fast_wait_ms, timeout_ms;
   unsigned long long step;
   long long spin_ns;
-  if (!PyArg_ParseTuple(args, "OiKLiiOO", &owner, &fd, &step, &spin_ns, &fast_wait_ms,
-                        &timeout_ms, &sends, &recvs))
+  if (!PyArg_ParseTuple(args, "OiKLiiOO|OO", &owner, &fd, &step, &spin_ns, &fast_wait_ms,
+                        &timeout_ms, &sends, &recvs, &routed_sends, &routed_recvs))
     return nullptr;
   if (fd < 0) {
     PyErr_SetString(PyExc_ValueError, "sock_prepare: the socket is closed");
@@ -252,7 +279,9 @@ PyObject* sock_prepare(PyObject*, PyObject* args) {
   if (memory == nullptr) return PyErr_NoMemory();
   SockCalls* p = new (memory) SockCalls();
   p->owner = nullptr;
-  if (!load(sends, p->send, step) || !load(recvs, p->recv, step)) {
+  if (!load(sends, p->send, step) || !load(recvs, p->recv, step) ||
+      (routed_sends != Py_None && !load(routed_sends, p->send_routed, step)) ||
+      (routed_recvs != Py_None && !load(routed_recvs, p->recv_routed, step))) {
     p->~SockCalls();
     free(memory);
     return nullptr;
@@ -272,39 +301,47 @@ PyObject* sock_prepare(PyObject*, PyObject* args) {
   return result;
 }
 
-// sock_post_call(prepared, ubatch, layer, src) -> 0 (sent) | 1 (nothing sent)
-// | -errno (the frame went out in part: the stream is broken)
+// sock_post_call(prepared, ubatch, layer, src[, weights, ids]) -> 0 (sent) | 1
+// (nothing sent) | -errno (the frame went out in part: the stream is broken).
+// With weights (not 0): the routed frame, its routing from weights and ids.
 PyObject* sock_post_call(PyObject*, PyObject* args) {
   PyObject* capsule;
   unsigned long ubatch, layer;
-  unsigned long long src;
-  if (!PyArg_ParseTuple(args, "OkkK", &capsule, &ubatch, &layer, &src)) return nullptr;
+  unsigned long long src, weights = 0, ids = 0;
+  if (!PyArg_ParseTuple(args, "OkkK|KK", &capsule, &ubatch, &layer, &src, &weights, &ids))
+    return nullptr;
   SockCalls* p = calls_of(capsule);
-  SockFrame* f = p == nullptr ? nullptr : usable(p->send, ubatch);
+  SockFrame* f = p == nullptr ? nullptr : usable(weights ? p->send_routed : p->send, ubatch);
   if (f == nullptr) return nullptr;
   const int64_t t0 = afd_now_ns();
   int status;
-  Py_BEGIN_ALLOW_THREADS status = post(p, *f, layer, src);
+  Py_BEGIN_ALLOW_THREADS status = post(p, *f, layer, src, weights, ids);
   Py_END_ALLOW_THREADS p->send_ns += afd_now_ns() - t0;
   if (status == 0) ++p->calls;
   return PyLong_FromLong(status);
 }
 
 // sock_take_call(prepared, ubatch, layer, dst) -> 1 (the frame of (ubatch,
-// layer) came, its payload is in dst) | 0 (not within the wait's bound, or
-// another message: nothing read) | -errno (the payload did not follow its
-// header)
+// layer) came, its payload is in dst) | 2 (its routed frame, the payload in
+// the frame's buffer, the hidden states in dst) | 0 (not within the wait's
+// bound, or another message: nothing read) | -errno (the payload did not
+// follow its header)
 PyObject* sock_take_call(PyObject*, PyObject* args) {
   PyObject* capsule;
   unsigned long ubatch, layer;
   unsigned long long dst;
   if (!PyArg_ParseTuple(args, "OkkK", &capsule, &ubatch, &layer, &dst)) return nullptr;
   SockCalls* p = calls_of(capsule);
-  SockFrame* f = p == nullptr ? nullptr : usable(p->recv, ubatch);
-  if (f == nullptr) return nullptr;
+  if (p == nullptr) return nullptr;
+  SockFrame* plain = usable(p->recv, ubatch, true);
+  SockFrame* routed = usable(p->recv_routed, ubatch, true);
+  if (plain == nullptr && routed == nullptr) {
+    usable(p->recv, ubatch);  // raises "not prepared"
+    return nullptr;
+  }
   const int64_t t0 = afd_now_ns();
   int status;
-  Py_BEGIN_ALLOW_THREADS status = take(p, *f, layer, dst);
+  Py_BEGIN_ALLOW_THREADS status = take(p, plain, routed, layer, dst);
   Py_END_ALLOW_THREADS p->wait_ns += afd_now_ns() - t0;
   return PyLong_FromLong(status);
 }

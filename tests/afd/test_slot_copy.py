@@ -16,7 +16,7 @@ from test_doorbell import echo
 from vllm.afd.config import AFDConfig
 from vllm.afd.transport import doorbell
 from vllm.afd.transport.connectors.base import create_connector
-from vllm.afd.transport.connectors.shm_fast import frame_template
+from vllm.afd.transport.connectors.prepared import frame_template
 from vllm.afd.transport.wire import StepHeader
 
 HIDDEN = 1000  # float32: 4000 bytes a token, so payloads are no multiple of 64 bytes

@@ -322,9 +322,9 @@ class AttentionLink:
         ubatch: the micro-batch; by default the ping-pong turn of this thread
         (0 outside one)."""
         fast = self._fast  # set only inside a real step: the checks below hold
-        if fast is not None and routing is None and not ubatch:
+        if fast is not None and not ubatch:
             t0 = now()
-            if fast.prepared_send(layer_idx, 0, hidden_states, out):
+            if fast.prepared_send(layer_idx, 0, hidden_states, out, routing):
                 # Counted while the FFN computes, undone if the output does not come.
                 member = self._member
                 self._done[0] += 1
@@ -365,8 +365,9 @@ class AttentionLink:
         if member is None:  # lost earlier in this step (another micro-batch)
             raise AFDLinkDown(self.unavailable_reason())
         fast = self._fast_ubatches
-        if fast is not None and routing is None:
-            done = self._exchange_prepared(fast, member, pp, u, layer_idx, hidden_states, out)
+        if fast is not None:
+            done = self._exchange_prepared(fast, member, pp, u, layer_idx, hidden_states, out,
+                                           routing)
             if done is not None:
                 return done
         where = f"layer {layer_idx} micro-batch {u}"
@@ -396,7 +397,8 @@ class AttentionLink:
                                      t1, failed_at)
 
     def _exchange_prepared(self, fast, member, pp, u: int, layer_idx: int,
-                           hidden_states: torch.Tensor, out: torch.Tensor | None):
+                           hidden_states: torch.Tensor, out: torch.Tensor | None,
+                           routing: Routing | None = None):
         """A micro-batched step's layer call through the lead's prepared calls:
         send, pass the turn, receive (into out, made once the turn is back when
         None). None: nothing was sent (the general path sends it). The call
@@ -404,9 +406,9 @@ class AttentionLink:
         micro-batches hold the turn sends it again. The send is counted as
         waiting, as the one micro-batch path's: end_step moves the prepared
         sends' own time (take_exchange_send_s) to send_s."""
-        self._pending[u] = (layer_idx, hidden_states, None)
+        self._pending[u] = (layer_idx, hidden_states, routing)
         t0 = now()
-        if not fast.prepared_send(layer_idx, u, hidden_states, out):
+        if not fast.prepared_send(layer_idx, u, hidden_states, out, routing):
             self._fast_ubatches = None  # the rest of the step takes the general path
             return None
         stats = self.stats
@@ -436,8 +438,8 @@ class AttentionLink:
             stats.wait_s += now() - t2
         # else another micro-batch failed over meanwhile and sent this call
         # again to the new member: the general receive takes it there.
-        return self._finish_exchange(layer_idx, u, hidden_states, out, None, member, t0, t0,
-                                     None)
+        return self._finish_exchange(layer_idx, u, hidden_states, out, routing, member, t0,
+                                     t0, None)
 
     def _finish_exchange(self, layer_idx: int, u: int, hidden_states: torch.Tensor,
                          out: torch.Tensor, routing: Routing | None, member, t0: float,

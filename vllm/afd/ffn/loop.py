@@ -398,12 +398,12 @@ class FFNLoop:
         elsewhere."""
         answer, batcher = self.placement.is_lead, self.batcher
         stats = self.peer_stats.setdefault(peer, LinkStats())
-        # A lone lead's calls without routing: the mlp runs here, between the
-        # batcher's enter_alone and leave_alone, and its output goes out first
-        # (a prepared call where the connector has them), before any
-        # bookkeeping: on a cold cache each Python line and frame between an
-        # mlp and its reply costs microseconds of both sides' time.
-        lone = answer and batcher.role == "alone" and not self.routing_topk
+        # A lone lead's calls: the mlp runs here, between the batcher's
+        # enter_alone and leave_alone, and its output goes out first (a
+        # prepared call where the connector has them), before any bookkeeping:
+        # on a cold cache each Python line and frame between an mlp and its
+        # reply costs microseconds of both sides' time.
+        lone = answer and batcher.role == "alone"
         compute_fn, observed, compute = self.compute_fn, self._observed, self.compute
         spin_seen = [0, 0]  # this session's connector's spin counters, counted so far
         while not self.stop_event.is_set():
@@ -434,10 +434,14 @@ class FFNLoop:
                         # them straight into the joined MoE input.
                         h = conn.recv_hidden(peer, layer_idx, u, defer=True)
                         stats.wait_s += now() - t0
+                    # Without routed layers no routing can come (the connector
+                    # was built without: routing_topk 0).
+                    routing = (self._routing_of(conn, peer, layer_idx, u) if routed_topk
+                               else None)
                     if lone and type(h) is torch.Tensor and batcher.enter_alone(peer):
                         t0 = now()
                         try:
-                            out = compute_fn(layer_idx, h, None)
+                            out = compute_fn(layer_idx, h, routing)
                         except Exception as e:
                             batcher.leave_alone(0, ran=False)
                             error = self._compute_error(layer_idx, h.shape[0], e)
@@ -461,10 +465,6 @@ class FFNLoop:
                             continue
                         # Not posted: replied below, as a batched call is.
                     else:
-                        # Without routed layers no routing can come (the
-                        # connector was built without: routing_topk 0).
-                        routing = (self._routing_of(conn, peer, layer_idx, u) if routed_topk
-                                   else None)
                         try:
                             out = batcher.compute(layer_idx, h, peer, routing)
                         except (FFNComputeError, PlanError) as e:

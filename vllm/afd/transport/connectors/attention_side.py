@@ -107,9 +107,10 @@ class AttentionSide:
         return False
 
     def prepared_send(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
-                      out: torch.Tensor | None) -> bool:
-        """send_hidden(layer_id, ubatch_id, h), with out the output's buffer to
-        come; False: nothing was sent (send_hidden and recv_output as usual)."""
+                      out: torch.Tensor | None, routing: wire.Routing | None = None) -> bool:
+        """send_hidden(layer_id, ubatch_id, h, routing=routing), with out the
+        output's buffer to come; False: nothing was sent (send_hidden and
+        recv_output as usual)."""
         return False
 
     def prepared_recv(self, layer_id: int, ubatch_id: int, out: torch.Tensor) -> bool:

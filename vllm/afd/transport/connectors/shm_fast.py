@@ -28,15 +28,8 @@ there too, with its own timeout_s, logging and error messages: a late answer
 waits at most that much longer in all (an answer later than that pays the
 general path's cost, small next to such a wait).
 
-Why comparing bytes checks the frame: the template is wire.encode of the
-LayerFrame the receiver expects (shape, dtype, nbytes, no routing, exact),
-with fixed-width integers for step (8 bytes), layer and micro-batch (4 each)
-so they can be patched in place; _template() decodes a patched copy with
-wire.decode and compares it with the frame built by wire.layer_frame before
-any is used. A received header equal to the patched template decodes to
-exactly that frame, which passes wire.check_frame by construction; both ends
-of an shm link write and expect the same templates. Headers stay ordinary
-msgpack (msgspec reads non-minimal integers), so the general path reads them.
+Why comparing bytes checks the frame: prepared.py (the templates, shared
+with tcp_fast.py).
 
 Prepared layer calls (csrc/cpu/lane_calls.cpp): even one C call per message
 end left a stack of Python helpers around each layer call (the checks above,
@@ -86,69 +79,8 @@ import time
 import torch
 
 from vllm.afd.transport import doorbell, wire
+from vllm.afd.transport.connectors.prepared import Ubatch, codec_spec, frame_template, routable
 from vllm.afd.transport.errors import LinkClosed, LinkTimeout
-from vllm.afd.transport.wire import LayerFrame
-
-# Values whose msgpack encodings have a fixed width: uint64 for the step,
-# uint32 for layer and micro-batch. The encoder keeps them, the decoder reads
-# them as the small numbers patched in.
-_STEP_MARK, _LAYER_MARK, _UBATCH_MARK = 1 << 40, 1 << 20, (1 << 20) + 1
-_FIELDS = ((b"\xa7step_id\xcf", 8), (b"\xa8layer_id\xce", 4), (b"\xa9ubatch_id\xce", 4))
-
-
-def frame_template(dtype: torch.dtype, rows: int, hidden: int, scale_group: int = 0
-                   ) -> "tuple[bytes, int, int, int, int] | None":
-    """(encoded LayerFrame, step offset, layer offset, micro-batch offset,
-    payload bytes) for a frame of [rows, hidden] dtype without routing, exact
-    or (scale_group > 0) fp8, or None if its encoding cannot be patched (never
-    for today's wire)."""
-    frame = _frame(dtype, rows, hidden, scale_group, _STEP_MARK, _LAYER_MARK, _UBATCH_MARK)
-    encoded = wire.encode(frame)
-    offsets = []
-    for key, _ in _FIELDS:
-        at = encoded.find(key)
-        if at < 0 or encoded.find(key, at + 1) >= 0:
-            return None
-        offsets.append(at + len(key))
-    # Check: a patched template decodes to the frame layer_frame describes.
-    step, layer, ubatch = 123456789, 7, 1
-    patched = bytearray(encoded)
-    for at, value, (_, width) in zip(offsets, (step, layer, ubatch), _FIELDS):
-        patched[at:at + width] = value.to_bytes(width, "big")
-    expected = _frame(dtype, rows, hidden, scale_group, step, layer, ubatch)
-    if len(encoded) > 512 or wire.decode(bytes(patched)) != expected:
-        return None
-    return (encoded, *offsets, frame.nbytes)
-
-
-def _frame(dtype: torch.dtype, rows: int, hidden: int, scale_group: int, step: int,
-           layer: int, ubatch: int) -> LayerFrame:
-    """The frame wire.layer_frame makes for such a tensor (built without one:
-    this may run inside a traced or captured forward, where a tensor would be
-    an op)."""
-    shape = [rows, hidden]
-    return LayerFrame(step_id=step, layer_id=layer, ubatch_id=ubatch,
-                      dtype=wire.dtype_name(dtype), shape=shape,
-                      nbytes=wire.frame_nbytes(dtype, shape, 0, scale_group),
-                      encoding=wire.FP8_E4M3 if scale_group else wire.EXACT,
-                      scale_group=scale_group)
-
-
-# csrc/cpu/pack_isa.h's PackDtype: the compute dtypes the fp8 row kernels take.
-_PACK_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-def codec_spec(dtype: torch.dtype, rows: int, hidden: int, scale_group: int,
-               buffer: int = 0) -> "tuple | None | bool":
-    """How a prepared frame's C call encodes its payload (csrc/cpu/frame_codec.h):
-    None for exact, a spec for fp8 (buffer: where a socket frame's payload is
-    packed or received), False where the C calls cannot encode it (a dtype the
-    kernels do not take: the general path does)."""
-    if not scale_group:
-        return None
-    code = _PACK_DTYPES.get(dtype)
-    return False if code is None else (rows, hidden, code, scale_group, buffer)
-
 
 class FastFrames:
     """See the module docstring. Needs, from ShmConnector: _links (RingLinks
@@ -159,6 +91,9 @@ class FastFrames:
         # Per direction: rows -> template (or None: this shape goes the general way).
         self._send_templates: dict[int, tuple | None] = {}
         self._recv_templates: dict[int, tuple | None] = {}
+        # rows -> the template of the frame toward the FFN with routing
+        # (gate_on "attention": the hidden states of MoE layers carry it)
+        self._routed_templates: dict[int, tuple | None] = {}
         # peer -> slot addresses (send, receive), per micro-batch
         self._slot_addresses: dict[int, tuple[list[int], list[int]]] = {}
         self.fast_calls = 0  # layer-call message ends taken by the fast path (tests)
@@ -172,10 +107,10 @@ class FastFrames:
 
     def _prepared_enabled(self) -> bool:
         """The prepared calls: host memory both ends (CUDA tensors staged
-        through it, exact only: csrc/cpu/frame_codec.h packs host memory),
-        exact or fp8, no routing."""
-        return (not self.routing_topk and self.device.type in ("cpu", "cuda")
-                and (self._on_host or not (self.send_scale_group or self.receive_scale_group)))
+        through it, exact and without routing only: csrc/cpu/frame_codec.h
+        packs host memory), exact or fp8, with routing or without."""
+        return self.device.type in ("cpu", "cuda") and (self._on_host or not (
+            self.send_scale_group or self.receive_scale_group or self.routing_topk))
 
     def _fast_enabled(self) -> bool:
         """Host memory both ends (CUDA tensors staged through it), exact
@@ -194,10 +129,10 @@ class FastFrames:
         tx.write(u, (t,), t.nbytes)
         return tx.slot(u).data_ptr()
 
-    def _template(self, table: dict, rows: int, scale_group: int = 0):
+    def _template(self, table: dict, rows: int, scale_group: int = 0, topk: int = 0):
         """The frame template of rows (in this direction's encoding: its table's)."""
         if rows not in table:
-            table[rows] = frame_template(self.dtype, rows, self.hidden_size, scale_group)
+            table[rows] = frame_template(self.dtype, rows, self.hidden_size, scale_group, topk)
         return table[rows]
 
     def _addresses(self, peer: int) -> tuple[list[int], list[int]] | None:
@@ -267,9 +202,12 @@ class FastFrames:
         addresses = self._addresses(peer)
         if addresses is None:
             return
-        sends, recvs, sizes = [], [], []
-        hidden, dtype = self.hidden_size, self.dtype
+        sends, recvs, routed_frames, ubatches = [], [], [], []
+        hidden, dtype, topk = self.hidden_size, self.dtype, self.routing_topk
         send_group, receive_group = self.send_scale_group, self.receive_scale_group
+        # Frames toward the FFN carry routing on MoE layers (gate_on "attention").
+        to_ffn_group = send_group if self.is_attention else receive_group
+        overhead = link.frame_overhead
         for u, rows in enumerate(step.num_tokens):
             out_t = self._template(self._send_templates, rows, send_group)
             in_t = self._template(self._recv_templates, rows, receive_group)
@@ -279,7 +217,6 @@ class FastFrames:
                 return
             sends.append((*out_t[:4], addresses[0][u], out_t[4], out_codec))
             recvs.append((*in_t[:4], addresses[1][u], in_t[4], in_codec))
-            overhead = link.frame_overhead
             shape = [rows, hidden]
             # The FFN's hidden states: a view of the slot (exact; taken without a
             # copy) or the buffer the C call unpacks fp8 into.
@@ -291,12 +228,27 @@ class FastFrames:
                     view = self._unpack_buffer(peer, u, dtype, self.device)[
                         :rows * hidden].view(rows, hidden)
                     into = view.data_ptr()
-            sizes.append((rows, out_t[4] + overhead + len(out_t[0]),
-                          in_t[4] + overhead + len(in_t[0]), shape, view,
-                          rows * hidden * dtype.itemsize, into))
+            routed, routing = 0, None
+            if topk:  # the same slot, the routing after the hidden states
+                routed_t = self._template(self._routed_templates, rows, to_ffn_group, topk)
+                routed_codec = codec_spec(dtype, rows, hidden, to_ffn_group, 0, topk)
+                if routed_t is None or routed_codec is False:
+                    return
+                slot = addresses[0 if self.is_attention else 1][u]
+                routed_frames.append((*routed_t[:4], slot, routed_t[4], routed_codec))
+                routed = routed_t[4] + overhead + len(routed_t[0])
+                if not self.is_attention:
+                    layout = wire.PayloadLayout.of(rows, hidden, dtype, to_ffn_group, topk)
+                    routing = wire.routing_views(self._rx[peer].slot(u)[:layout.total],
+                                                 layout, rows, topk)
+            ubatches.append(Ubatch(rows, hidden, dtype, out_t[4] + overhead + len(out_t[0]),
+                                   in_t[4] + overhead + len(in_t[0]), view, into, routed,
+                                   routing, topk))
         calls = link.C.lane_prepare(link, link.lane, step.step_id, link.spin_ns,
-                                    link.fast_wait_ms, sends, recvs)
-        self._prepared[peer] = (calls, link.C, sizes)
+                                    link.fast_wait_ms, sends, recvs,
+                                    routed_frames if topk and self.is_attention else None,
+                                    routed_frames if topk and not self.is_attention else None)
+        self._prepared[peer] = (calls, link.C, ubatches)
 
     def _prepared_send_s(self, peer: int) -> float:
         """Time the prepared calls spent sending since the last time asked."""
@@ -318,53 +270,61 @@ class FastFrames:
         return self._prepared.get(0) is not None
 
     def prepared_send(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
-                      out: torch.Tensor | None) -> bool:
+                      out: torch.Tensor | None, routing: wire.Routing | None = None) -> bool:
         prepared = self._prepared.get(0)
         if prepared is None or self._in_flight or self._failure is not None:
             return False
-        calls, C, sizes = prepared
-        size = sizes[ubatch_id]
+        calls, C, ubatches = prepared
+        ub = ubatches[ubatch_id]
         # Inline checks: a Python call costs microseconds on a cold cache (each
         # tensor attribute 1-3 us after a layer's compute). What the copy needs
         # (host memory, contiguous, the slot's byte count) and the dtype;
         # nbytes, not shape: a tuple compare costs 4x an attribute. `out`'s are
         # prepared_recv's, made while the FFN computes.
-        if not (h.dtype == self.dtype and h.nbytes == size[5] and h.is_contiguous()):
+        if not (h.dtype == self.dtype and h.nbytes == ub.nbytes and h.is_contiguous()):
             return False
         if h.is_cpu and self._on_host:
             src = h.data_ptr()
-        elif self.send_scale_group:
-            return False  # fp8 is packed from host memory (frame_codec.h)
+        elif self.send_scale_group or routing is not None:
+            return False  # packed from host memory only (frame_codec.h)
         else:
             src = self._staged_source(0, ubatch_id, h)
-        if C.lane_post_call(calls, ubatch_id, layer_id, src) == 1:
-            return False  # a full ring: nothing sent
-        self.bytes_sent += size[1]
+        if routing is None:
+            if C.lane_post_call(calls, ubatch_id, layer_id, src) == 1:
+                return False  # a full ring: nothing sent
+            self.bytes_sent += ub.sent
+        else:
+            weights, ids = routing
+            if not (ub.routed and routable(weights, ids, ub)
+                    and C.lane_post_call(calls, ubatch_id, layer_id, src, weights.data_ptr(),
+                                         ids.data_ptr()) != 1):
+                return False  # not prepared, not as the frame needs it, or a full ring
+            self.bytes_sent += ub.routed
         self.fast_calls += 1
         return True
 
     def prepared_recv(self, layer_id: int, ubatch_id: int, out: torch.Tensor) -> bool:
-        calls, C, sizes = self._prepared[0]
-        size = sizes[ubatch_id]
+        calls, C, ubatches = self._prepared[0]
+        ub = ubatches[ubatch_id]
         dtype = self.dtype
         # What the copy into `out` needs (as prepared_send's checks, made here
         # while the FFN computes); the general receive takes any other `out`.
-        if out.dtype == dtype and out.nbytes == size[5] and out.is_contiguous():
+        if out.dtype == dtype and out.nbytes == ub.nbytes and out.is_contiguous():
             # Counted before, so that nothing stands between the output's arrival
             # and the caller; undone when it does not come.
             on_host = out.is_cpu and self._on_host
             if on_host or not self.receive_scale_group:  # fp8: unpacked into host memory
-                self.bytes_received += size[2]
+                self.bytes_received += ub.received
                 self.fast_calls += 1
                 if C.lane_take_call(calls, ubatch_id, layer_id,
                                     out.data_ptr() if on_host else 0):
                     if not on_host:  # staged: from the slot on the caller's stream
-                        self._rx[0].read(ubatch_id, dtype, size[3], out)
+                        self._rx[0].read(ubatch_id, dtype, ub.shape, out)
                     return True
-                self.bytes_received -= size[2]
+                self.bytes_received -= ub.received
                 self.fast_calls -= 1
         # The general receive takes over (recv_output: its wait, its errors).
-        self._in_flight.append((layer_id, ubatch_id, size[3]))
+        self._in_flight.append((layer_id, ubatch_id, ub.shape))
         return False
 
     def take_exchange_send_s(self) -> float:
@@ -425,11 +385,11 @@ class FastFrames:
         if (prepared is None or awaited is None or awaited[0] != layer_id
                 or self._failure is not None):
             return False
-        calls, C, sizes = prepared
-        size = sizes[ubatch_id]
+        calls, C, ubatches = prepared
+        ub = ubatches[ubatch_id]
         # Inline checks (see prepared_send): a Python call costs microseconds on
         # a cold cache, and this is the path from the mlp to the attention side.
-        if not (out.dtype == self.dtype and out.nbytes == size[5] and out.is_contiguous()):
+        if not (out.dtype == self.dtype and out.nbytes == ub.nbytes and out.is_contiguous()):
             return False
         if out.is_cpu and self._on_host:
             src = out.data_ptr()
@@ -440,7 +400,7 @@ class FastFrames:
         if C.lane_post_call(calls, ubatch_id, layer_id, src) == 1:
             return False
         # Sent: the bookkeeping now, while the attention side computes.
-        self.bytes_sent += size[1]
+        self.bytes_sent += ub.sent
         self.fast_calls += 1
         del awaiting[key]
         self._routings.pop(key, None)
@@ -457,23 +417,28 @@ class FastFrames:
     def _take_prepared(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor | None":
         """The FFN's prepared receive (the step's calls are prepared): the
         hidden states, or None when they did not come as expected."""
-        calls, C, sizes = self._prepared[peer]
-        _, _, received, shape, view, _, into = sizes[ubatch_id]
+        calls, C, ubatches = self._prepared[peer]
+        ub = ubatches[ubatch_id]
         # The receive's bookkeeping as if it will succeed (undone below when it
         # does not): after the receive, only the return stands between it and
         # the next mlp.
         key = (peer, ubatch_id)
-        self._awaiting[key] = (layer_id, shape)
+        self._awaiting[key] = (layer_id, ub.shape)
         self._routings[key] = None
-        self.bytes_received += received
+        self.bytes_received += ub.received
         self.fast_calls += 1
-        if C.lane_take_call(calls, ubatch_id, layer_id, into):
+        taken = C.lane_take_call(calls, ubatch_id, layer_id, ub.into)
+        if taken:
+            if taken == 2:  # the routed frame: its routing stays in the slot
+                self._routings[key] = ub.routing
+                self.bytes_received += ub.routed - ub.received
+            view = ub.view
             # On a device: copied from the slot on this side's stream.
             return view if view is not None else self._rx[peer].read(ubatch_id, self.dtype,
-                                                                     shape)
+                                                                     ub.shape)
         del self._awaiting[key]
         del self._routings[key]
-        self.bytes_received -= received
+        self.bytes_received -= ub.received
         self.fast_calls -= 1
         return None
 

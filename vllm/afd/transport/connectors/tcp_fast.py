@@ -24,7 +24,7 @@ micro-batch; csrc/cpu/sock_calls.cpp patches the layer in per call.
              recv_prepared / recv_hidden: the hidden states, as prepared_recv,
              into the (peer, micro-batch) receive buffer
 
-Why comparing bytes checks the frame: shm_fast.py. Both ends write and expect
+Why comparing bytes checks the frame: prepared.py. Both ends write and expect
 the same templates; the general path's frames (minimal integers) compare
 unequal and are read by the general receive, as is anything else that is not
 the expected frame (an ErrorFrame, a goodbye, a malformed frame): the peek
@@ -60,19 +60,17 @@ import torch
 
 from vllm.afd.transport import wire
 from vllm.afd.transport.connectors.codec import Packed
+from vllm.afd.transport.connectors.prepared import Ubatch, codec_spec, frame_template, routable
 from vllm.afd.transport.errors import LinkClosed, LinkTimeout, What
 
 MAX_PREFIXED_HEADER = 512  # csrc/cpu/sock_calls.cpp's kMaxHeader
 
 
 def socket_frame_template(dtype: torch.dtype, rows: int, hidden: int, scale_group: int,
-                          prefix) -> "tuple[bytes, int, int, int, int] | None":
+                          prefix, topk: int = 0) -> "tuple[bytes, int, int, int, int] | None":
     """frame_template's, with the connector's prefix (tcp.PREFIX: magic,
     header length, payload length) in front and the offsets moved past it."""
-    # Here, not at the top: shm_fast and doorbell import tcp.py, which imports this.
-    from vllm.afd.transport.connectors.shm_fast import frame_template
-
-    template = frame_template(dtype, rows, hidden, scale_group)
+    template = frame_template(dtype, rows, hidden, scale_group, topk)
     if template is None:
         return None
     encoded, step_at, layer_at, ubatch_at, nbytes = template
@@ -89,11 +87,10 @@ class SocketCalls:
     _typed_view, and the protocol state of attention_side.py and ffn_side.py."""
 
     def _init_socket_calls(self) -> None:
-        # (rows, scale group) -> template, or None: this shape goes the general way
-        self._socket_templates: dict[tuple[int, int], tuple | None] = {}
+        # (rows, scale group, topk) -> template, or None: the general way
+        self._socket_templates: dict[tuple[int, int, int], tuple | None] = {}
         # peer -> the step's prepared calls: (capsule, C module, per micro-batch
-        # (rows, bytes sent, bytes received, [rows, hidden], the receive
-        # buffer's typed view on the FFN side, payload bytes)), or None
+        # a shm_fast.Ubatch), or None
         self._socket_prepared: dict[int, tuple | None] = {}
         self._socket_send_ns: dict[int, int] = {}  # send time already reported
         self.socket_calls = 0  # message ends taken by prepared calls (tests, benchmarks)
@@ -101,17 +98,17 @@ class SocketCalls:
         self._socket_on_host = self.device.type == "cpu"
 
     def _socket_calls_usable(self) -> bool:
-        """Host memory both ends (CUDA tensors staged through it, exact only:
-        csrc/cpu/frame_codec.h packs host memory), exact or fp8, no routing."""
-        return (not self.routing_topk and self.device.type in ("cpu", "cuda")
-                and (self._socket_on_host
-                     or not (self.send_scale_group or self.receive_scale_group)))
+        """Host memory both ends (CUDA tensors staged through it, exact and
+        without routing only: csrc/cpu/frame_codec.h packs host memory), exact
+        or fp8, with routing or without."""
+        return self.device.type in ("cpu", "cuda") and (self._socket_on_host or not (
+            self.send_scale_group or self.receive_scale_group or self.routing_topk))
 
-    def _socket_template(self, rows: int, scale_group: int, prefix):
-        key = (rows, scale_group)
+    def _socket_template(self, rows: int, scale_group: int, prefix, topk: int = 0):
+        key = (rows, scale_group, topk)
         if key not in self._socket_templates:
             self._socket_templates[key] = socket_frame_template(
-                self.dtype, rows, self.hidden_size, scale_group, prefix)
+                self.dtype, rows, self.hidden_size, scale_group, prefix, topk)
         return self._socket_templates[key]
 
     def _prepare_socket_calls(self, peer: int, step: wire.StepHeader) -> None:
@@ -123,52 +120,66 @@ class SocketCalls:
                 or getattr(link, "sock", None) is None):
             return
         from vllm.afd.transport import doorbell  # imports tcp.py: not at the top
-        from vllm.afd.transport.connectors.shm_fast import codec_spec
 
         C = doorbell.lane_module()
         if not hasattr(C, "sock_prepare"):  # an op library built before them
             return
-        sends, recvs, sizes = [], [], []
+        sends, recvs, routed_frames, ubatches = [], [], [], []
         hidden, dtype, host = self.hidden_size, self.dtype, torch.device("cpu")
+        topk, attention = self.routing_topk, self.is_attention
         send_group, receive_group = self.send_scale_group, self.receive_scale_group
+        # Frames toward the FFN carry routing on MoE layers (gate_on "attention").
+        to_ffn_group = send_group if attention else receive_group
         for u, rows in enumerate(step.num_tokens):
             out_t = self._socket_template(rows, send_group, link.prefix)
             in_t = self._socket_template(rows, receive_group, link.prefix)
-            if out_t is None or in_t is None:
+            routed_t = (self._socket_template(rows, to_ffn_group, link.prefix, topk) if topk
+                        else None)
+            if out_t is None or in_t is None or (topk and routed_t is None):
                 return
             key = (peer, u)
-            # fp8: packed into the (peer, micro-batch) pack buffer and sent from
-            # it; received into the receive buffer and unpacked from it.
-            out_codec = codec_spec(dtype, rows, hidden, send_group)
-            if out_codec:
-                out_codec = (*out_codec[:4], self._pack_target(peer, u, out_t[4],
-                                                               host).data_ptr())
-            in_codec = codec_spec(dtype, rows, hidden, receive_group)
-            if in_codec:
-                in_codec = (*in_codec[:4], self._rx_buffer(key, in_t[4]).data_ptr())
-            if out_codec is False or in_codec is False:
+            # fp8 and routed frames: packed into the (peer, micro-batch) pack
+            # buffer and sent from it; received into the receive buffer (one
+            # for both frames, sized for the larger: its address must hold)
+            # and unpacked from it.
+            pack = self._pack_target(peer, u, max(out_t[4], routed_t[4] if topk else 0),
+                                     host).data_ptr()
+            rx = self._rx_buffer(key, max(in_t[4], routed_t[4] if topk else 0))
+            out_codec = codec_spec(dtype, rows, hidden, send_group, pack)
+            in_codec = codec_spec(dtype, rows, hidden, receive_group, rx.data_ptr())
+            routed_codec = (codec_spec(dtype, rows, hidden, to_ffn_group,
+                                       pack if attention else rx.data_ptr(), topk)
+                            if topk else None)
+            if out_codec is False or in_codec is False or routed_codec is False:
                 return
             sends.append((*out_t, out_codec))
             recvs.append((*in_t, in_codec))
             shape = [rows, hidden]
             # The FFN's hidden states: received into its receive buffer (exact)
             # or unpacked from there into its unpack buffer (fp8).
-            view = None
-            if not self.is_attention and self._socket_on_host:
-                view = (self._typed_view(key, self._rx_buffer(key, in_t[4]), dtype, shape)
+            view, routing, routed = None, None, 0
+            if not attention and self._socket_on_host:
+                view = (self._typed_view(key, rx, dtype, shape)
                         if in_codec is None else self._unpack_buffer(
                             peer, u, dtype, host)[:rows * hidden].view(rows, hidden))
+            if topk:
+                routed_frames.append((*routed_t, routed_codec))
+                routed = routed_t[4] + len(routed_t[0])
+                if not attention:  # views of the received payload
+                    layout = wire.PayloadLayout.of(rows, hidden, dtype, to_ffn_group, topk)
+                    routing = wire.routing_views(rx[:layout.total], layout, rows, topk)
             # The prefix is part of the template.
-            sizes.append((rows, out_t[4] + len(out_t[0]), in_t[4] + len(in_t[0]), shape, view,
-                          rows * hidden * dtype.itemsize))
+            ubatches.append(Ubatch(rows, hidden, dtype, out_t[4] + len(out_t[0]),
+                                   in_t[4] + len(in_t[0]), view, 0, routed, routing, topk))
         sock = link.sock
         fd = sock.fileno()
         if fd < 0:  # closed by another thread: the general path says so
             return
         calls = C.sock_prepare(sock, fd, step.step_id, int(link.spin_s * 1e9),
                                doorbell.FAST_WAIT_MS, max(1, int(self.timeout_s * 1000)),
-                               sends, recvs)
-        self._socket_prepared[peer] = (calls, C, sizes)
+                               sends, recvs, routed_frames if topk and attention else None,
+                               routed_frames if topk and not attention else None)
+        self._socket_prepared[peer] = (calls, C, ubatches)
 
     def _socket_send_s(self, peer: int) -> float:
         prepared = self._socket_prepared.get(peer)
@@ -210,30 +221,37 @@ class SocketCalls:
         return self._socket_prepared.get(0) is not None
 
     def prepared_send(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
-                      out: torch.Tensor | None) -> bool:
+                      out: torch.Tensor | None, routing: wire.Routing | None = None) -> bool:
         prepared = self._socket_prepared.get(0)
         if prepared is None or self._in_flight or self._failure is not None:
             return False
-        calls, C, sizes = prepared
-        size = sizes[ubatch_id]
+        calls, C, ubatches = prepared
+        ub = ubatches[ubatch_id]
         # Inline checks, as shm_fast.prepared_send's (each Python call costs
         # microseconds on a cold cache).
-        if not (h.dtype == self.dtype and h.nbytes == size[5] and h.is_contiguous()):
+        if not (h.dtype == self.dtype and h.nbytes == ub.nbytes and h.is_contiguous()):
             return False
         if h.is_cpu and self._socket_on_host:
             src = h.data_ptr()
-        elif self.send_scale_group:
-            return False  # fp8 is packed from host memory (frame_codec.h)
+        elif self.send_scale_group or routing is not None:
+            return False  # packed from host memory only (frame_codec.h)
         else:
             src = self._socket_staged_source(0, ubatch_id, h)
-        status = C.sock_post_call(calls, ubatch_id, layer_id, src)
+        if routing is None:
+            status = C.sock_post_call(calls, ubatch_id, layer_id, src)
+        else:
+            weights, ids = routing
+            if not (ub.routed and routable(weights, ids, ub)):
+                return False  # not prepared, or not as the frame needs it
+            status = C.sock_post_call(calls, ubatch_id, layer_id, src, weights.data_ptr(),
+                                      ids.data_ptr())
         if status == 1:
             return False  # nothing sent: the general path sends, or says why not
         if status < 0:
             self._broken(0, status, What("layer {} ubatch {} hidden states", layer_id,
                                          ubatch_id), "send")
             return False
-        self.bytes_sent += size[1]
+        self.bytes_sent += ub.sent if routing is None else ub.routed
         self.socket_calls += 1
         return True
 
@@ -241,24 +259,24 @@ class SocketCalls:
         prepared = self._socket_prepared.get(0)
         if prepared is None:
             raise ValueError(f"{self.me}: prepared_recv without prepared_send")
-        calls, C, sizes = prepared
-        size = sizes[ubatch_id]
+        calls, C, ubatches = prepared
+        ub = ubatches[ubatch_id]
         on_host = out.is_cpu and self._socket_on_host
-        if (out.dtype == self.dtype and out.nbytes == size[5] and out.is_contiguous()
+        if (out.dtype == self.dtype and out.nbytes == ub.nbytes and out.is_contiguous()
                 and (on_host or not self.receive_scale_group)):  # fp8: into host memory
             status = C.sock_take_call(calls, ubatch_id, layer_id, out.data_ptr() if on_host
                                       else self._socket_staged_target(0, ubatch_id))
             if status == 1:
                 if not on_host:  # staged: from the slot on the caller's stream
-                    self._rx_staging[0].read(ubatch_id, self.dtype, size[3], out)
-                self.bytes_received += size[2]
+                    self._rx_staging[0].read(ubatch_id, self.dtype, ub.shape, out)
+                self.bytes_received += ub.received
                 self.socket_calls += 1
                 return True
             if status < 0:
                 self._broken(0, status, What("the output of layer {} ubatch {}", layer_id,
                                              ubatch_id), "payload")
         # The general receive takes over (recv_output: its wait, its errors).
-        self._in_flight.append((layer_id, ubatch_id, size[3]))
+        self._in_flight.append((layer_id, ubatch_id, ub.shape))
         return False
 
     def take_exchange_send_s(self) -> float:
@@ -285,9 +303,9 @@ class SocketCalls:
         if (prepared is None or awaited is None or awaited[0] != layer_id
                 or self._failure is not None):
             return False
-        calls, C, sizes = prepared
-        size = sizes[ubatch_id]
-        if not (out.dtype == self.dtype and out.nbytes == size[5] and out.is_contiguous()):
+        calls, C, ubatches = prepared
+        ub = ubatches[ubatch_id]
+        if not (out.dtype == self.dtype and out.nbytes == ub.nbytes and out.is_contiguous()):
             return False
         if out.is_cpu and self._socket_on_host:
             src = out.data_ptr()
@@ -303,7 +321,7 @@ class SocketCalls:
                          "send")
             return False
         # Sent: the bookkeeping now, while the attention side computes.
-        self.bytes_sent += size[1]
+        self.bytes_sent += ub.sent
         self.socket_calls += 1
         del awaiting[key]
         self._routings.pop(key, None)
@@ -330,20 +348,22 @@ class SocketCalls:
         prepared = self._socket_prepared.get(peer)
         if prepared is None or self._failure is not None:
             return None
-        calls, C, sizes = prepared
-        _, _, received, shape, view, _ = sizes[ubatch_id]
+        calls, C, ubatches = prepared
+        ub = ubatches[ubatch_id]
+        view = ub.view
         status = C.sock_take_call(calls, ubatch_id, layer_id,
                                   view.data_ptr() if view is not None
                                   else self._socket_staged_target(peer, ubatch_id))
-        if status == 1:
+        if status > 0:
             key = (peer, ubatch_id)
-            self._awaiting[key] = (layer_id, shape)
-            self._routings[key] = None
-            self.bytes_received += received
+            self._awaiting[key] = (layer_id, ub.shape)
+            # 2: the routed frame, its routing in the receive buffer
+            self._routings[key] = ub.routing if status == 2 else None
+            self.bytes_received += ub.received if status == 1 else ub.routed
             self.socket_calls += 1
             # On a device: copied from the slot on this side's stream.
             return view if view is not None else self._rx_staging[peer].read(
-                ubatch_id, self.dtype, shape)
+                ubatch_id, self.dtype, ub.shape)
         if status < 0:
             self._broken(peer, status, What("the hidden states of layer {} ubatch {}",
                                             layer_id, ubatch_id), "payload")
