@@ -352,6 +352,7 @@ def test_the_link_and_the_loop_take_prepared_calls_for_routed_fp8_steps(connecto
         [session] = list(loop._sessions.values())
         assert prepared_count(session) == 2 * calls
         assert loop.stats().routed_calls == calls * len(ROUTED) // len(layers)
+        assert link.stats.routed_calls == loop.stats().routed_calls
         assert seen == [(layer, layer in ROUTED) for layer, _ in seen] and len(seen) == calls
         assert batched == []
     finally:

@@ -329,21 +329,24 @@ class AttentionLink:
                 member = self._member
                 self._done[0] += 1
                 member.layer_calls += 1
-                self.stats.layer_calls += 1
+                stats = self.stats
+                stats.layer_calls += 1
+                stats.routed_calls += routing is not None
                 self._step_calls_left -= 1
                 if out is None:
                     out = _output_like(hidden_states)
                 if fast.prepared_recv(layer_idx, 0, out):
                     elapsed = now() - t0
-                    self.stats.wait_s += elapsed  # end_step moves the send's part to send_s
+                    stats.wait_s += elapsed  # end_step moves the send's part to send_s
                     self._round_trips.append(elapsed)
                     return out
                 self._done[0] -= 1
                 member.layer_calls -= 1
-                self.stats.layer_calls -= 1
+                stats.layer_calls -= 1
+                stats.routed_calls -= routing is not None
                 self._step_calls_left += 1
                 self._fast = None  # the rest of the step takes the general path
-                self.stats.wait_s += now() - t0
+                stats.wait_s += now() - t0
                 return self._finish_exchange(layer_idx, 0, hidden_states, out, routing, member,
                                              t0, t0, None)
             self._fast = None
@@ -429,6 +432,7 @@ class AttentionLink:
                 member.layer_calls += 1
                 stats.wait_s += t3 - t2
                 stats.layer_calls += 1
+                stats.routed_calls += routing is not None
                 self._round_trips.append(t3 - t0)
                 self._step_calls_left -= 1
                 return out
