@@ -141,14 +141,19 @@ class SocketCalls:
             # fp8 and routed frames: packed into the (peer, micro-batch) pack
             # buffer and sent from it; received into the receive buffer (one
             # for both frames, sized for the larger: its address must hold)
-            # and unpacked from it.
-            pack = self._pack_target(peer, u, max(out_t[4], routed_t[4] if topk else 0),
-                                     host).data_ptr()
-            rx = self._rx_buffer(key, max(in_t[4], routed_t[4] if topk else 0))
+            # and unpacked from it. The FFN's exact hidden states are received
+            # straight into that buffer. Each allocated only where a frame
+            # needs it (a pack buffer is max_bytes).
+            pack = (self._pack_target(peer, u, max(out_t[4], routed_t[4] if topk else 0),
+                                      host).data_ptr()
+                    if send_group or (topk and attention) else 0)
+            rx = (self._rx_buffer(key, max(in_t[4], routed_t[4] if topk else 0))
+                  if receive_group or (not attention and self._socket_on_host) else None)
+            received_at = 0 if rx is None else rx.data_ptr()
             out_codec = codec_spec(dtype, rows, hidden, send_group, pack)
-            in_codec = codec_spec(dtype, rows, hidden, receive_group, rx.data_ptr())
+            in_codec = codec_spec(dtype, rows, hidden, receive_group, received_at)
             routed_codec = (codec_spec(dtype, rows, hidden, to_ffn_group,
-                                       pack if attention else rx.data_ptr(), topk)
+                                       pack if attention else received_at, topk)
                             if topk else None)
             if out_codec is False or in_codec is False or routed_codec is False:
                 return
