@@ -358,3 +358,41 @@ def test_the_link_and_the_loop_take_prepared_calls_for_routed_fp8_steps(connecto
     finally:
         link.close()
         loop.stop()
+
+
+def test_a_routed_layer_called_without_routing_fails_both_sides_with_why():
+    """The FFN serves layer 0 as a MoE layer whose routing comes from the
+    attention role, and the attention side sends it without (gate_on set
+    differently on the two roles): the FFN loop refuses the call before its
+    mlp runs, on the lone path too, and the attention side's call fails with
+    the FFN's reason, not a timeout."""
+    from vllm.afd.attention.link import AttentionLink, StepPlan
+    from vllm.afd.ffn.loop import FFNLoop
+    from vllm.afd.topology import FFNPlacement
+    from vllm.afd.transport.config import LinkConfig
+    from vllm.afd.transport.errors import AFDLinkDown
+
+    ran = []
+    config = dict(connector="shm", port=free_port(), timeout_s=10,
+                  connector_extra_config={"spin_us": 20_000})
+    loop = FFNLoop(LinkConfig(role="ffn", **config), layers=[0],
+                   compute=lambda layer, h, routing: ran.append(layer) or h,
+                   hidden_size=HIDDEN, dtype=DTYPE, max_tokens=8,
+                   placement=FFNPlacement(rank=0, group=[0]), warmup_sizes=[],
+                   routed_layers={0: TOPK})
+    loop.start()
+    link = AttentionLink(LinkConfig(**config), hidden_size=HIDDEN, dtype=DTYPE, max_tokens=8)
+    link.add_layer(0, TOPK)
+    try:
+        assert loop.ready.wait(10)
+        link.start()
+        link.begin_step(StepPlan(num_tokens=(2,)))
+        assert link._fast is not None
+        h = torch.randn(2, HIDDEN).to(DTYPE)
+        with pytest.raises(AFDLinkDown, match="expected routing with the hidden states, "
+                                              "received none"):
+            link.exchange(0, h, torch.empty_like(h))
+        assert ran == []
+    finally:
+        link.close()
+        loop.stop()
