@@ -240,8 +240,8 @@ COMMON = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
           "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
           "--no-enable-prefix-caching"]
 LONG_TOKENS = 96  # the streamed completion that outlives a kill
-# The stream of the attention server killed in act 3: long enough that the kill lands
-# mid-stream on a fast host (with LONG_TOKENS it had ended before, now and then).
+# The stream of the attention server killed in act 3: long enough that it still flows
+# when the survivor's stream, started after it, has begun.
 KILLED_STREAM_TOKENS = 4 * LONG_TOKENS
 CONCURRENT = 8
 STALL_BOUND_S = 5.0  # a surviving attention server's stream never pauses longer
@@ -394,12 +394,15 @@ def test_pool_of_ffn_servers_under_kills(models_dir, tmp_path):
             assert time.monotonic() < deadline, [status(s)["pool"] for s in attns]
             time.sleep(0.2)
         started = [threading.Event(), threading.Event()]
-        streams = [work.submit(stream, attns[0], started[0]),
-                   work.submit(stream, attns[1], started[1], KILLED_STREAM_TOKENS)]
-        for event in started:
-            assert event.wait(120)
-        # At once: the survivor's 90 tokens left take about half a second on a
-        # fast host, and a kill after its stream ended would prove nothing.
+        # The doomed server's (long) stream first, then the survivor's: killed as
+        # soon as the survivor's flows, its ~90 tokens left all come after the
+        # kill. (Started together, the survivor's stream had now and then ended
+        # before the other began: a kill after it proved nothing.)
+        streams = [None, work.submit(stream, attns[1], started[1], KILLED_STREAM_TOKENS)]
+        assert started[1].wait(120)
+        streams[0] = work.submit(stream, attns[0], started[0])
+        assert started[0].wait(120)
+        assert not streams[1].done()  # the doomed stream still flows
         killed_at = time.monotonic()
         attns[1].kill()
         survivor = streams[0].result(timeout=300)
