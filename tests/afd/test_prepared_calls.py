@@ -262,9 +262,9 @@ def test_an_answer_later_than_the_prepared_wait_arrives_through_the_general_path
 
 def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps(patient_waits):
     """A real FFN loop and attention link over shm: steps of one micro-batch
-    go through prepared calls on both sides (all but a step's first receive
-    on the FFN, whose loop posts every reply, the step's last included, before
-    its bookkeeping), give the FFN's results, and their time is
+    go through prepared calls on both sides (the FFN's loop posts every reply,
+    the step's last included, before its bookkeeping), give the FFN's results,
+    and their time is
     split into sending and waiting as the general path's is; each side counts
     its spins' preemptions and backoffs in its link statistics."""
     layers = [0, 1, 2]

@@ -401,7 +401,7 @@ class AttentionLink:
 
     def _exchange_prepared(self, fast, member, pp, u: int, layer_idx: int,
                            hidden_states: torch.Tensor, out: torch.Tensor | None,
-                           routing: Routing | None = None):
+                           routing: Routing | None):
         """A micro-batched step's layer call through the lead's prepared calls:
         send, pass the turn, receive (into out, made once the turn is back when
         None). None: nothing was sent (the general path sends it). The call

@@ -89,13 +89,13 @@ class Ubatch:
     (the C side has the frames): what the checks compare, what the counters
     add, what a receive returns."""
 
-    __slots__ = ("rows", "shape", "nbytes", "sent", "received", "view", "into", "routed",
-                 "routing", "routing_shape")
+    __slots__ = ("shape", "nbytes", "sent", "received", "view", "into", "routed", "routing",
+                 "routing_shape")
 
     def __init__(self, rows: int, hidden: int, dtype: torch.dtype, sent: int, received: int,
                  view: "torch.Tensor | None" = None, into: int = 0, routed: int = 0,
                  routing: "wire.Routing | None" = None, topk: int = 0) -> None:
-        self.rows, self.shape = rows, [rows, hidden]
+        self.shape = [rows, hidden]
         self.nbytes = rows * hidden * dtype.itemsize  # the tensor's, each way
         self.sent, self.received = sent, received  # bytes on the wire, frame and all
         # The FFN's received hidden states (a slot or buffer view), and the

@@ -8,7 +8,9 @@ a LayerFrame built and encoded, the slot copy, the ring entry, the doorbell;
 and on receipt the decode, wire.check_frame, the slot's view. Hot, that is
 10-15 us per call; after a layer's compute, on a VM where every page touched
 first costs microseconds, it measured 200-250 us per call (lane.cpp). Here the
-common case takes one call into csrc/cpu/lane.cpp instead:
+attention side's send_hidden and recv_output (a step's calls that the prepared
+calls below did not carry) take one call into csrc/cpu/lane.cpp in the common
+case (the FFN's recv_hidden and send_output take the prepared calls):
 
   sending    the tensor's bytes into the micro-batch's slot, the frame's header
              (a template per shape, patched with step, layer and micro-batch)
@@ -44,20 +46,25 @@ on the FFN side), and a layer call is one C call with four numbers:
              steps of one micro-batch, and counts the call in between)
   FFN        reply_prepared(peer, layer, u, out), then recv_prepared(peer,
              next_layer, next_u): send this call's output; wait for the next
-             call's hidden states (reply_and_recv does both)
+             call's hidden states (reply_and_recv does both; recv_hidden and
+             send_output, a step's first receive and last send, too)
 
 Both fall back as the calls above do: nothing sent (a full ring) means the
 general path does it all; sent but no expected answer in time means the
 general receive takes over, with its own timeout and errors.
 
-fp8 directions (AFDConfig.transfer_dtype) take them too, for host tensors:
-the frame's template says fp8 and the C call packs the caller's tensor into
-the slot (sending) or unpacks the slot into the caller's tensor, on the FFN
-into the connector's unpack buffer (receiving), with afd::pack's row kernels
+fp8 directions (AFDConfig.transfer_dtype) and routing (gate_on "attention")
+take them too, for host tensors: the frame's template says fp8 or carries the
+routing's width, and the C call packs the caller's tensor (and the routing
+after it) into the slot (sending) or unpacks the slot's hidden states into the
+caller's tensor, on the FFN into the connector's unpack buffer (receiving; the
+routing is viewed in the slot), with afd::pack's row kernels
 (csrc/cpu/frame_codec.h): the general path's bytes, one C call instead of a
 dispatcher round trip and a dozen Python helpers per message end (bench-link,
-fp8 to the FFN, 1 KiB: 82 -> 3.5 us a round trip). CUDA tensors with fp8 keep
-the general path (their packing runs on the device).
+fp8 to the FFN, 1 KiB: 82 -> 3.5 us a round trip). A micro-batch has a plain
+and a routed frame prepared; the FFN's receive takes either (a step mixes
+dense and MoE layers). CUDA tensors with fp8 or routing keep the general path
+(their packing runs on the device).
 
 Device tensors (CUDA) take the prepared calls too, staged through the same
 slots: the sender copies its tensor into its slot and waits for the copy (the
@@ -79,6 +86,7 @@ import time
 import torch
 
 from vllm.afd.transport import doorbell, wire
+from vllm.afd.transport.connectors.codec import Packed
 from vllm.afd.transport.connectors.prepared import Ubatch, codec_spec, frame_template, routable
 from vllm.afd.transport.errors import LinkClosed, LinkTimeout
 
@@ -406,14 +414,6 @@ class FastFrames:
         self._routings.pop(key, None)
         return True
 
-    def recv_prepared(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor":
-        if self._prepared.get(peer) is None:
-            return self.recv_hidden(peer, layer_id, ubatch_id, defer=True)
-        h = self._take_prepared(peer, layer_id, ubatch_id)
-        # Not taken: the general receive (ffn_side.py), its wait and its errors.
-        return h if h is not None else super().recv_hidden(peer, layer_id, ubatch_id,
-                                                           defer=True)
-
     def _take_prepared(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor | None":
         """The FFN's prepared receive (the step's calls are prepared): the
         hidden states, or None when they did not come as expected."""
@@ -446,47 +446,15 @@ class FastFrames:
         return self._prepared_send_s(peer) + super().take_reply_send_s(peer)
 
     def recv_hidden(self, peer: int, layer_id: int, ubatch_id: int, *,
-                    defer: bool = False) -> torch.Tensor:
-        if not self.is_attention and self._prepared.get(peer) is not None:
-            # A step's first call (the rest come through recv_prepared).
-            h = self._take_prepared(peer, layer_id, ubatch_id)
-            return h if h is not None else super().recv_hidden(peer, layer_id, ubatch_id,
-                                                               defer=defer)
-        step = self._peer_steps.get(peer)
-        if (step is not None and not self.is_attention and self._fast_enabled()
-                and 0 <= ubatch_id < len(step.num_tokens) and self._failure is None
-                and self._connected):
-            rows = step.num_tokens[ubatch_id]
-            link = self._links.get(peer)
-            template = (self._template(self._recv_templates, rows)
-                        if type(link) is doorbell.RingLink else None)
-            addresses = self._addresses(peer) if template else None
-            # The slot's address, no copy: the lane reads its lines once and
-            # tells the sender how long that took (csrc/cpu/slot_copy.h).
-            if addresses is not None and self._recv_frame(
-                    link, template, step.step_id, layer_id, ubatch_id,
-                    addresses[1][ubatch_id], 0):
-                shape = [rows, self.hidden_size]
-                self._awaiting[(peer, ubatch_id)] = (layer_id, shape)
-                self._routings[(peer, ubatch_id)] = None
-                return self._rx[peer].read(ubatch_id, self.dtype, shape)
-        return super().recv_hidden(peer, layer_id, ubatch_id, defer=defer)
+                    defer: bool = False) -> "torch.Tensor | Packed":
+        # The FFN's receives (a step's first; the rest through recv_prepared,
+        # ffn_side.py's): the prepared call where the step has them, else (or
+        # when the frame is not the expected one) the general receive.
+        h = (self._take_prepared(peer, layer_id, ubatch_id)
+             if not self.is_attention and self._prepared.get(peer) is not None else None)
+        return h if h is not None else super().recv_hidden(peer, layer_id, ubatch_id,
+                                                           defer=defer)
 
     def send_output(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> None:
-        if self.reply_prepared(peer, layer_id, ubatch_id, out):  # a step's last call
-            return
-        awaited = self._awaiting.get((peer, ubatch_id))
-        if (awaited is not None and awaited[0] == layer_id and not self.is_attention
-                and self._fast_enabled()):
-            rows = awaited[1][0]
-            link = self._usable(peer, out, rows)
-            template = self._template(self._send_templates, rows) if link else None
-            addresses = self._addresses(peer) if template else None
-            if addresses is not None:
-                step = self._peer_steps[peer]
-                self._post_frame(peer, link, template, step.step_id, layer_id, ubatch_id,
-                                 out.data_ptr(), addresses[0][ubatch_id])
-                del self._awaiting[(peer, ubatch_id)]
-                self._routings.pop((peer, ubatch_id), None)
-                return
-        super().send_output(peer, layer_id, ubatch_id, out)
+        if not self.reply_prepared(peer, layer_id, ubatch_id, out):  # a step's last call
+            super().send_output(peer, layer_id, ubatch_id, out)

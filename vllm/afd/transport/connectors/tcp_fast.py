@@ -332,21 +332,14 @@ class SocketCalls:
         self._routings.pop(key, None)
         return True
 
-    def recv_prepared(self, peer: int, layer_id: int, ubatch_id: int
-                      ) -> "torch.Tensor | Packed":
-        h = self._socket_recv(peer, layer_id, ubatch_id)
-        if h is None:  # the general receive (ffn_side.py): its wait, its errors
-            return super().recv_hidden(peer, layer_id, ubatch_id, defer=True)
-        return h
-
     def recv_hidden(self, peer: int, layer_id: int, ubatch_id: int, *,
                     defer: bool = False) -> "torch.Tensor | Packed":
-        # A step's first call, and what the FFN loop receives outside
-        # reply_and_recv: the prepared receive where it can take it.
+        # The FFN's receives (a step's first; the rest through recv_prepared,
+        # ffn_side.py's): the prepared receive where it can take it, else the
+        # general receive (its wait, its errors).
         h = self._socket_recv(peer, layer_id, ubatch_id) if not self.is_attention else None
-        if h is None:
-            return super().recv_hidden(peer, layer_id, ubatch_id, defer=defer)
-        return h
+        return h if h is not None else super().recv_hidden(peer, layer_id, ubatch_id,
+                                                           defer=defer)
 
     def _socket_recv(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor | None":
         """The FFN's prepared receive: the hidden states, or None (not taken)."""
