@@ -40,6 +40,7 @@ class DeferredOps(DeviceOps):
         super().__init__("cpu")
         self.delay = delay
         self.pool = ThreadPoolExecutor(1)
+        self.writes = ThreadPoolExecutor(1)
         self.last = None
 
     def copy(self, dst, src) -> None:
@@ -48,6 +49,20 @@ class DeferredOps(DeviceOps):
             dst.copy_(src)
 
         self.last = self.pool.submit(later)
+
+    def copy_to_host(self, dst, src) -> None:
+        """Blocking: returns once the copy landed. On a worker of its own (as
+        if on another stream) and without the receives' delay: waiting for
+        the receives' copies before it, it would settle their slots itself and
+        the slot rules' negative controls (a no-op release) could not fail."""
+        self.landing(dst, src).result()
+
+    def landing(self, dst, src, delay: float = 0.0):
+        def later():
+            time.sleep(delay)
+            dst.copy_(src)
+
+        return self.writes.submit(later)
 
     def record(self, event=None):
         return self.last
@@ -123,6 +138,96 @@ def test_staged_prepared_calls_settle_the_slot_before_the_next_post(settled, mon
             assert torch.equal(out1, first) and torch.equal(out2, second)
         else:
             assert torch.equal(out1, second)  # corrupted, as predicted
+    finally:
+        attn.close()
+        ffn.close()
+
+
+class CountingOps(DeferredOps):
+    """DeferredOps that counts its host calls by name (a GPU host's cost:
+    each one a driver or torch call, 8-32 us inside the link on the lent H200)."""
+
+    def __init__(self, delay: float = 0.2, landed: bool = True) -> None:
+        super().__init__(delay)
+        self.landed, self.calls = landed, {}
+
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def copy(self, dst, src) -> None:
+        self._count("copy")
+        super().copy(dst, src)
+
+    def copy_to_host(self, dst, src) -> None:
+        self._count("copy_to_host")
+        # The negative control's copy lands late (and, returning at once, the
+        # post reaches the FFN first).
+        landing = self.landing(dst, src, 0.0 if self.landed else self.delay)
+        if self.landed:  # else the negative control: returns before it lands
+            landing.result()
+
+    def record(self, event=None):
+        self._count("record")
+        return super().record(event)
+
+    def wait_host(self, event) -> None:
+        self._count("wait_host")
+        super().wait_host(event)
+
+    def wait_host_settled(self, event) -> None:
+        self._count("wait_host_settled")
+        DeferredOps.wait_host(self, event)
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+@pytest.mark.parametrize("landed", [True, False])
+def test_a_staged_send_is_one_copy_that_has_landed_before_the_header(kind, landed):
+    """A device's prepared send copies the caller's tensor into its slot and
+    posts the header; the peer reads the slot as soon as the header arrives,
+    so the copy must have landed first. It is one blocking copy (on CUDA
+    torch's copy with the stream's wait inside), not a copy, a stream lookup,
+    an event and a wait: no record and no wait_host from the send side.
+    landed=False returns from the copy before it lands: the negative control,
+    where the FFN reads the slot's old bytes."""
+    if kind == "shm":
+        port = free_port()
+        ffn, attn = make("shm", "ffn", port), make("shm", "attention", port)
+        flag = "_on_host"
+    else:
+        port = free_port()
+        ffn, attn = make("tcp", "ffn", port), make("tcp", "attention", port)
+        flag = "_socket_on_host"
+    attn.ops, ffn.ops = CountingOps(landed=landed), DeferredOps()
+    setattr(attn, flag, False)
+    setattr(ffn, flag, False)
+    waiter = Background(ffn.connect)
+    attn.connect()
+    waiter.join_result()
+    try:
+        attn.send_step(StepHeader(step_id=1, num_tokens=[4]))
+        ffn.recv_step(0)
+        got, sends = [], []
+        for layer in range(3):
+            h = torch.full((4, H), float(layer + 1))
+            before = dict(attn.ops.calls)
+            assert attn.prepared_send(layer, 0, h, None)
+            sends.append({k: v - before.get(k, 0) for k, v in attn.ops.calls.items()
+                          if v != before.get(k, 0)})
+            got.append(ffn.recv_prepared(0, layer, 0).clone())
+            ffn.reply_prepared(0, layer, 0, got[-1])
+            assert attn.prepared_recv(layer, 0, torch.zeros(4, H))
+        attn.ops.pool.shutdown(wait=True)
+        attn.ops.writes.shutdown(wait=True)
+        sent = [torch.full((4, H), float(layer + 1)) for layer in range(3)]
+        # shm: the first send; then each settles the received slot's last read
+        # first (a query on a GPU: the post lets the FFN write it again)
+        # before its one copy. tcp settles its receive slot when it receives.
+        settle = {"wait_host_settled": 1} if kind == "shm" else {}
+        assert sends == [{"copy_to_host": 1}] + [{**settle, "copy_to_host": 1}] * 2, sends
+        if landed:
+            assert all(torch.equal(g, s) for g, s in zip(got, sent))
+        else:
+            assert not torch.equal(got[0], sent[0])  # read before it landed
     finally:
         attn.close()
         ffn.close()

@@ -137,6 +137,17 @@ class DeviceOps:
             return
         dst.copy_(src, non_blocking=not (dst.device.type == src.device.type == "cpu"))
 
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy src into dst, host memory of src's dtype and shape, and return
+        once the bytes have landed there (a staged send: the peer reads them
+        as soon as the header arrives). On an accelerator torch's blocking
+        copy: the copy and a wait for the current stream, both inside one
+        call (no event, no stream lookup in Python)."""
+        if src.device.type == "cpu":
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+        else:
+            dst.copy_(src)
+
     def record(self, event: Any | None = None) -> Any | None:
         """An event after the work queued so far on the current stream: event
         recorded again when given (creating one is a driver call, on a GPU
