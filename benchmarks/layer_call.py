@@ -76,12 +76,26 @@ def pin_side(first: int, cores: int) -> None:
         os.sched_setaffinity(0, {c for c in range(first, first + cores) if c < have} or {0})
 
 
+STAGED_WRITE_ENV = "AFD_LAYER_CALL_STAGED_WRITE"
+
+
+def use_staged_write() -> None:
+    """--staged-write events: a staged send of one part takes the several-part
+    path (copies, then an event and a wait), as every send did before
+    2026-12-05; in this process (the FFN's reads the inherited variable)."""
+    if os.environ.get(STAGED_WRITE_ENV) == "events":
+        from vllm.afd.transport.buffers import HostSlots
+
+        HostSlots._write_one = lambda self, u, part, limit: self._write_parts(u, (part,), limit)
+
+
 def ffn_process(port: int, max_tokens: int, stream_mb: int, ready, commands,
                 num_ubatches: int = 1, device: str = "cpu", cores: int = 1,
                 spin_us: int = 50000) -> None:
     """The FFN end: a real FFNLoop serving LAYERS layers; its mlp's start and
     end times are sent back when asked."""
     pin_side(FFN_CORE * cores, cores)
+    use_staged_write()
     import torch
 
     from vllm.afd.ffn.loop import FFNLoop
@@ -327,6 +341,11 @@ def main(argv=None) -> int:
     ap.add_argument("--spin-us", type=int, default=50000,
                     help="the shm link's spin before it sleeps, both ends (default "
                          "%(default)s: each side has its core)")
+    ap.add_argument("--staged-write", default="one-copy", choices=["one-copy", "events"],
+                    help="cuda: how a staged send copies into its slot: one blocking copy "
+                         "(the link's), or as before 2026-12-05 (slice, byte views, an "
+                         "asynchronous copy, an event and a wait), to compare on a GPU "
+                         "(default %(default)s)")
     ap.add_argument("--out", type=Path,
                     default=Path(__file__).parent / "results" / "layer_call.json")
     args = ap.parse_args(argv)
@@ -334,6 +353,8 @@ def main(argv=None) -> int:
         print("[bench-layer-call] needs two cores", file=sys.stderr)
         return 2
     pin_side(ATTENTION_CORE, args.cores)
+    os.environ[STAGED_WRITE_ENV] = args.staged_write  # the FFN processes inherit it
+    use_staged_write()
     import torch
 
     from vllm.afd.planner.calibrate import cpu_isa, cpu_model
@@ -346,6 +367,7 @@ def main(argv=None) -> int:
         "settings": {"hidden": HIDDEN, "layers": LAYERS, "dtype": "bfloat16",
                      "connector": "shm", "spin_us": args.spin_us, "steps": args.steps,
                      "device": args.device, "cores_per_side": args.cores,
+                     "staged_write": args.staged_write,
                      "cores": {"attention": ATTENTION_CORE, "ffn": FFN_CORE}},
         "cases": []}
     print("per layer call, us (median / p90 / mean): beyond the mlp's compute, split at it")

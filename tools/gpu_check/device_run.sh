@@ -3,7 +3,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 #
 # Everything this project checks and measures on a GPU machine without vLLM, in
-# one go (about 2 minutes on the H200): the GPU check (tools/gpu_check), then a
+# one go (about 2.5 minutes on the H200): the GPU check (tools/gpu_check), then a
 # layer call through shm with CUDA tensors against the staging floor, then the
 # same on that host's CPU (benchmarks/layer_call.py). Run from the repository
 # root; needs CUDA torch and nvcc, and msgspec (where it is missing, a wheel for
@@ -36,6 +36,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ -f "$VLLM_AFD_OP_LIBRARY" ]; then
   timeout 150 python3 benchmarks/layer_call.py --device cuda --through exchange \
     --tokens 1,8,64 --steps 300 --ubatches 2 --out "$OUT/layer_call_cuda.json"
+  # The staged send as before 2026-12-05 (copy, event, wait), to compare with the run above.
+  timeout 100 python3 benchmarks/layer_call.py --device cuda --through exchange \
+    --tokens 1,8 --steps 300 --ubatches '' --staged-write events \
+    --out "$OUT/layer_call_cuda_events.json"
   timeout 150 python3 benchmarks/layer_call.py --device cpu --through exchange \
     --tokens 1,8 --steps 300 --ubatches 2 --out "$OUT/layer_call_cpu.json"
 fi

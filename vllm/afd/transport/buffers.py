@@ -64,6 +64,11 @@ class HostSlots:
         until they are in host memory; returns the bytes written."""
         if len(parts) == 1:
             return self._write_one(u, parts[0], limit)
+        return self._write_parts(u, parts, limit)
+
+    def _write_parts(self, u: int, parts: Sequence[torch.Tensor], limit: int) -> int:
+        """write() of several parts (routed exact frames of a device the op
+        library cannot pack on): each copied, then one fence for all."""
         slot, offset, pending = self._slots[u], 0, False
         for part in parts:
             nbytes = part.numel() * part.element_size()
