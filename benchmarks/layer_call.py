@@ -77,16 +77,47 @@ def pin_side(first: int, cores: int) -> None:
 
 
 STAGED_WRITE_ENV = "AFD_LAYER_CALL_STAGED_WRITE"
+STAGED_READ_ENV = "AFD_LAYER_CALL_STAGED_READ"
 
 
-def use_staged_write() -> None:
-    """--staged-write events: a staged send of one part takes the several-part
+def use_staging_variants() -> None:
+    """The staged path's variants to compare on a GPU, in this process (the
+    FFN's reads the inherited variables). Benchmark-only: the link keeps its
+    own unless a GPU run shows a variant pays.
+
+    --staged-write events: a staged send of one part takes the several-part
     path (copies, then an event and a wait), as every send did before
-    2026-12-05; in this process (the FFN's reads the inherited variable)."""
-    if os.environ.get(STAGED_WRITE_ENV) == "events":
-        from vllm.afd.transport.buffers import HostSlots
+    2026-12-05.
+    --staged-read blocking: a staged receive copies out of the slot with a
+    blocking copy (torch's copy and a wait for the current stream, one host
+    call) instead of an asynchronous copy, a stream lookup and an event (and
+    the slot's release then finds no event to settle). Every staged send
+    waits for its stream, so the stream is idle when a receive comes: the
+    wait is the copy's own; what it gives up is launching the next kernels
+    while the copy runs."""
+    from vllm.afd.transport.buffers import HostSlots
 
+    if os.environ.get(STAGED_WRITE_ENV) == "events":
         HostSlots._write_one = lambda self, u, part, limit: self._write_parts(u, (part,), limit)
+    if os.environ.get(STAGED_READ_ENV) == "blocking":
+        HostSlots.read = _blocking_read
+
+
+def _blocking_read(self, u, dtype, shape, out=None):
+    """HostSlots.read with one blocking copy (--staged-read blocking)."""
+    from vllm.afd.transport.buffers import _nbytes
+
+    nbytes = _nbytes(dtype, shape)
+    view = self._typed(u, self._slots[u], dtype, shape, nbytes)
+    if out is None:
+        if self.ops.is_host:
+            return view
+        buffer = self._device_buffers[u]
+        if buffer is None:
+            buffer = self._device_buffers[u] = self.ops.empty(self.slot_bytes)
+        out = self._typed(("device", u), buffer, dtype, shape, nbytes)
+    out.copy_(view)
+    return out
 
 
 def ffn_process(port: int, max_tokens: int, stream_mb: int, ready, commands,
@@ -95,7 +126,7 @@ def ffn_process(port: int, max_tokens: int, stream_mb: int, ready, commands,
     """The FFN end: a real FFNLoop serving LAYERS layers; its mlp's start and
     end times are sent back when asked."""
     pin_side(FFN_CORE * cores, cores)
-    use_staged_write()
+    use_staging_variants()
     import torch
 
     from vllm.afd.ffn.loop import FFNLoop
@@ -346,6 +377,10 @@ def main(argv=None) -> int:
                          "(the link's), or as before 2026-12-05 (slice, byte views, an "
                          "asynchronous copy, an event and a wait), to compare on a GPU "
                          "(default %(default)s)")
+    ap.add_argument("--staged-read", default="async", choices=["async", "blocking"],
+                    help="cuda: how a staged receive copies out of its slot: asynchronously "
+                         "with an event (the link's), or one blocking copy, to compare on a "
+                         "GPU (default %(default)s)")
     ap.add_argument("--out", type=Path,
                     default=Path(__file__).parent / "results" / "layer_call.json")
     args = ap.parse_args(argv)
@@ -353,8 +388,9 @@ def main(argv=None) -> int:
         print("[bench-layer-call] needs two cores", file=sys.stderr)
         return 2
     pin_side(ATTENTION_CORE, args.cores)
-    os.environ[STAGED_WRITE_ENV] = args.staged_write  # the FFN processes inherit it
-    use_staged_write()
+    # The FFN processes inherit them.
+    os.environ[STAGED_WRITE_ENV], os.environ[STAGED_READ_ENV] = args.staged_write, args.staged_read
+    use_staging_variants()
     import torch
 
     from vllm.afd.planner.calibrate import cpu_isa, cpu_model
@@ -367,7 +403,7 @@ def main(argv=None) -> int:
         "settings": {"hidden": HIDDEN, "layers": LAYERS, "dtype": "bfloat16",
                      "connector": "shm", "spin_us": args.spin_us, "steps": args.steps,
                      "device": args.device, "cores_per_side": args.cores,
-                     "staged_write": args.staged_write,
+                     "staged_write": args.staged_write, "staged_read": args.staged_read,
                      "cores": {"attention": ATTENTION_CORE, "ffn": FFN_CORE}},
         "cases": []}
     print("per layer call, us (median / p90 / mean): beyond the mlp's compute, split at it")

@@ -93,7 +93,17 @@ def test_the_device_script_runs_without_vllm(data_plane_tree, tmp_path):
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text().replace("\\\n", " ")
     calls = re.findall(r"benchmarks/layer_call\.py (.*?) --out", text)
-    assert len(calls) == 2 and "--device cuda" in calls[0], calls
+    assert len(calls) == 4 and all("--device cuda" in c for c in calls[:3]), calls
+    # The staged path's variants (an A/B on the GPU): both at once, shortened.
+    variants = [flag for c in calls[1:3] for flag in re.findall(r"--staged-\S+ \S+", c)]
+    assert variants == ["--staged-write events", "--staged-read blocking"], calls
+    out = tmp_path / "variants.json"
+    proc = run_in(data_plane_tree, str(REPO / "benchmarks" / "layer_call.py"),
+                  *" ".join(variants).split(), "--through", "exchange", "--ubatches", "",
+                  "--steps", "20", "--tokens", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    settings = json.loads(out.read_text())["settings"]
+    assert (settings["staged_write"], settings["staged_read"]) == ("events", "blocking")
     out = tmp_path / "layer_call.json"
     proc = run_in(data_plane_tree, str(REPO / "benchmarks" / "layer_call.py"), *calls[0].split(),
                   "--device", "cpu", "--steps", "20", "--tokens", "2", "--out", str(out))

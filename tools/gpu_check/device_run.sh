@@ -3,9 +3,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 #
 # Everything this project checks and measures on a GPU machine without vLLM, in
-# one go (about 2.5 minutes on the H200): the GPU check (tools/gpu_check), then a
-# layer call through shm with CUDA tensors against the staging floor, then the
-# same on that host's CPU (benchmarks/layer_call.py). Run from the repository
+# one go (about 3 minutes on the H200): the GPU check (tools/gpu_check), then a
+# layer call through shm with CUDA tensors against the staging floor (and with the
+# staged path's variants: the send as before, blocking receives), then the same
+# on that host's CPU (benchmarks/layer_call.py). Run from the repository
 # root; needs CUDA torch and nvcc, and msgspec (where it is missing, a wheel for
 # that machine's Python in .whl/ is installed into /tmp/site). Writes to $OUT
 # (default /tmp/afd-gpu-out); exits with the GPU check's status.
@@ -40,6 +41,10 @@ if [ -f "$VLLM_AFD_OP_LIBRARY" ]; then
   timeout 100 python3 benchmarks/layer_call.py --device cuda --through exchange \
     --tokens 1,8 --steps 300 --ubatches '' --staged-write events \
     --out "$OUT/layer_call_cuda_events.json"
+  # Staged receives as one blocking copy each (no event), to compare likewise.
+  timeout 100 python3 benchmarks/layer_call.py --device cuda --through exchange \
+    --tokens 1,8 --steps 300 --ubatches '' --staged-read blocking \
+    --out "$OUT/layer_call_cuda_blocking_reads.json"
   timeout 150 python3 benchmarks/layer_call.py --device cpu --through exchange \
     --tokens 1,8 --steps 300 --ubatches 2 --out "$OUT/layer_call_cpu.json"
 fi
