@@ -47,6 +47,9 @@ class HostSlots:
         self._memory = memory
         self._region: PinnedRegion | None = None if pinned else ops.pin(memory)
         self._slots = [memory[u * slot_bytes:(u + 1) * slot_bytes] for u in range(count)]
+        # Each slot's address, for the prepared calls' C (a data_ptr() is a
+        # torch call per message end; on the lent GPU host's sandbox, microseconds each).
+        self._addresses = [slot.data_ptr() for slot in self._slots]
         self._events: list = [None] * count  # the last read of each slot
         self._spare_events: list = [None] * count  # released, recorded again next read
         self._own_events: list = [False] * count  # the last read's event is self.ops'
@@ -57,6 +60,10 @@ class HostSlots:
 
     def slot(self, u: int) -> torch.Tensor:
         return self._slots[u]
+
+    def address(self, u: int) -> int:
+        """Slot u's host address (slot(u).data_ptr(), kept)."""
+        return self._addresses[u]
 
     # ------------------------------------------------------------- sending
     def write(self, u: int, parts: Sequence[torch.Tensor], limit: int) -> int:
@@ -185,6 +192,7 @@ class HostSlots:
         self._views.clear()
         self._write_views = [None] * self.count
         self._slots = []
+        self._addresses = []
         self._device_buffers = []
         if self._region is not None:
             self._region.release()

@@ -135,7 +135,7 @@ class FastFrames:
         self._rx[peer].release(u)
         tx = self._tx[peer]
         tx.write(u, (t,), t.nbytes)
-        return tx.slot(u).data_ptr()
+        return tx.address(u)
 
     def _template(self, table: dict, rows: int, scale_group: int = 0, topk: int = 0):
         """The frame template of rows (in this direction's encoding: its table's)."""

@@ -200,14 +200,14 @@ class SocketCalls:
         address a prepared post sends from."""
         staging = self._staging(self._tx_staging, peer)
         staging.write(u, (t,), t.nbytes)
-        return staging.slot(u).data_ptr()
+        return staging.address(u)
 
     def _socket_staged_target(self, peer: int, u: int) -> int:
         """The address a staged receive writes, once the last copy out of
         that slot has read it."""
         staging = self._staging(self._rx_staging, peer)
         staging.release(u)
-        return staging.slot(u).data_ptr()
+        return staging.address(u)
 
     def _broken(self, peer: int, status: int, what: What, action: str) -> None:
         """A prepared call that left the stream mid-frame: fail the connector
