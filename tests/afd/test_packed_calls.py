@@ -37,16 +37,25 @@ ROUTED = {0, 2}  # gate_on "attention": the MoE layers' calls carry routing, lay
 pytestmark = pytest.mark.usefixtures("patient_waits")
 
 
-def packed_pair(connector: str, transfer, hidden: int = HIDDEN, topk: int = 0):
+def packed_pair(connector: str, transfer, hidden: int = HIDDEN, topk: int = 0,
+                staged: bool = False):
     """(ffn, attention) connectors of connector, linked, with transfer_dtype
-    (and routing of topk experts, when topk > 0)."""
+    (and routing of topk experts, when topk > 0). staged: both sides take
+    the prepared calls as CUDA connectors do (fp8 and routing packed by the
+    op library, the payload staged through the slots) on a fake asynchronous
+    device (test_device_rules.DeferredOps): no GPU here."""
     port = free_port()
 
     def make(role):
         cfg = AFDConfig(role=role, connector=connector, port=port, timeout_s=10,
                         transfer_dtype=transfer, connector_extra_config={"spin_us": 20_000})
-        return create_connector(cfg, hidden_size=hidden, dtype=DTYPE, max_tokens=16,
+        side = create_connector(cfg, hidden_size=hidden, dtype=DTYPE, max_tokens=16,
                                 routing_topk=topk)
+        if staged:  # before the handshake: the slots take their ops then
+            from test_device_rules import DeferredOps
+
+            side.ops, side._on_host = DeferredOps(), False
+        return side
 
     ffn, attn = make("ffn"), make("attention")
     accepting = Background(ffn.accept)
@@ -94,11 +103,11 @@ def combine(routing) -> torch.Tensor:
     return (routing.topk_weights * routing.topk_ids).sum(1, keepdim=True).to(DTYPE)
 
 
-def run(connector: str, transfer, prepared: bool, topk: int = 0) -> tuple:
+def run(connector: str, transfer, prepared: bool, topk: int = 0, staged: bool = False) -> tuple:
     """STEPS through a pair; every output checked against the reference.
     topk > 0: the ROUTED layers' calls carry routing. (attention, ffn, what
     the FFN's receives gave)."""
-    ffn, attn = packed_pair(connector, transfer, topk=topk)
+    ffn, attn = packed_pair(connector, transfer, topk=topk, staged=staged)
     to_ffn = attn.send_scale_group > 0
     back = attn.receive_scale_group > 0
     kinds: list = []
@@ -115,6 +124,8 @@ def run(connector: str, transfer, prepared: bool, topk: int = 0) -> tuple:
                 if prepared:
                     assert attn.prepared_send(layer, 0, h, out, routing)
                     assert attn.prepared_recv(layer, 0, out)
+                    if staged:  # the copy out of the slot lands later (the fake device)
+                        attn.ops.wait_host(attn.ops.record())
                 else:
                     attn.send_hidden(layer, 0, h, routing=routing)
                     attn.recv_output(layer, 0, out=out)
@@ -198,12 +209,14 @@ def test_a_prepared_fp8_payload_is_the_pack_ops_bytes(connector):
         ffn.close()
 
 
-def test_packed_frames_on_a_device_connector_keep_the_general_path():
+def test_packed_frames_of_device_tensors_where_the_op_library_packs():
     """A connector whose tensors live on a device packs fp8 and routing on
     that device (the op library's kernels), not in the prepared calls' C
-    (host memory only): fp8 or routing there keeps the general path; exact
-    transfer without routing keeps its staged prepared calls. Checked on the
-    CPU through the predicate the prepared calls of both connectors ask."""
+    (host memory only). shm prepares such frames raw and packs on the device
+    around the staging; tcp keeps the general path for them (its exact
+    frames without routing keep their staged prepared calls); a device the
+    library cannot pack on (_packs False) keeps the general path on both.
+    Checked on the CPU through the predicate the prepared calls ask."""
     from vllm.afd.transport.connectors.shm_fast import FastFrames
     from vllm.afd.transport.connectors.tcp_fast import SocketCalls
 
@@ -211,14 +224,37 @@ def test_packed_frames_on_a_device_connector_keep_the_general_path():
         device = torch.device("cuda", 0)
         _on_host = _socket_on_host = False
 
-    for send, receive, topk, usable in ((GROUP, 0, 0, False), (0, GROUP, 0, False),
-                                        (0, 0, TOPK, False), (0, 0, 0, True)):
-        fake = Fake()
-        fake.send_scale_group, fake.receive_scale_group, fake.routing_topk = send, receive, topk
-        assert FastFrames._prepared_enabled(fake) is usable
-        assert SocketCalls._socket_calls_usable(fake) is usable
-        fake.device, fake._on_host, fake._socket_on_host = torch.device("cpu"), True, True
-        assert FastFrames._prepared_enabled(fake) and SocketCalls._socket_calls_usable(fake)
+    for send, receive, topk, exact in ((GROUP, 0, 0, False), (0, GROUP, 0, False),
+                                       (0, 0, TOPK, False), (0, 0, 0, True)):
+        for packs in (True, False):
+            fake = Fake()
+            fake.send_scale_group, fake.receive_scale_group = send, receive
+            fake.routing_topk, fake._packs = topk, packs
+            assert FastFrames._prepared_enabled(fake) is (exact or packs)
+            assert SocketCalls._socket_calls_usable(fake) is exact
+            fake.device, fake._on_host, fake._socket_on_host = torch.device("cpu"), True, True
+            assert FastFrames._prepared_enabled(fake) and SocketCalls._socket_calls_usable(fake)
+
+
+@pytest.mark.parametrize("case", ["fp8", "fp8-to-attention", "routed", "routed-fp8-to-ffn"])
+def test_device_tensors_take_shms_prepared_calls_with_fp8_and_routing(case):
+    """shm on a (fake) device: fp8 either way and routed frames take the
+    prepared calls at every message end, packed by the op library on the
+    device and staged through the slots, the FFN's received hidden states a
+    tensor (its loop's lone path takes them) and its routing as sent on the
+    routed layers; every output the reference's and the byte counters those
+    of the host's prepared calls."""
+    transfer = {"fp8": "fp8", "fp8-to-attention": TRANSFERS["fp8-to-attention"],
+                "routed": "auto", "routed-fp8-to-ffn": TRANSFERS["fp8-to-ffn"]}[case]
+    topk = TOPK if case.startswith("routed") else 0
+    attn, ffn, kinds = run("shm", transfer, prepared=True, topk=topk, staged=True)
+    calls = len(STEPS) * LAYERS
+    assert attn.fast_calls == 2 * calls and ffn.fast_calls == 2 * calls
+    assert kinds == [("Tensor", bool(topk) and layer in ROUTED)
+                     for _ in STEPS for layer in range(LAYERS)]
+    host, host_ffn, _ = run("shm", transfer, prepared=True, topk=topk)
+    assert (attn.bytes_sent, attn.bytes_received) == (host.bytes_sent, host.bytes_received)
+    assert (ffn.bytes_sent, ffn.bytes_received) == (host_ffn.bytes_sent, host_ffn.bytes_received)
 
 
 @pytest.mark.parametrize("transfer", ["auto", "fp8-to-ffn"])

@@ -291,13 +291,16 @@ def _harness(args, connector: str, gate_on_attention: bool = False,
         if gate_on_attention:
             assert stats.routed_calls == 2 * (1 + 2 + 3 + 4), stats
         # The attention side's message ends through prepared calls (shm's lane,
-        # tcp's socket calls; CUDA tensors staged through pinned slots) where the
-        # frames are exact and carry no routing: all of them but the few a busy
-        # host delays past the prepared wait's bound (the general path's then).
+        # tcp's socket calls; CUDA tensors staged through pinned slots): all of
+        # them but the few a busy host delays past the prepared wait's bound
+        # (the general path's then). On shm fp8 and routed frames too (on
+        # CUDA packed on the device, then staged); on tcp exact frames without
+        # routing only (its CUDA packed frames keep the general path).
         lead = attn.link.pool.members[0].lead
         prepared = getattr(lead, {"shm": "fast_calls", "tcp": "socket_calls"}.get(connector, ""),
                            None)
-        if prepared is not None and transfer == "auto" and not gate_on_attention:
+        if prepared is not None and (connector == "shm" or (transfer == "auto"
+                                                           and not gate_on_attention)):
             assert stats.layer_calls <= prepared <= 2 * stats.layer_calls, (
                 prepared, stats.layer_calls)
         calls = f", {prepared} prepared message ends" if prepared is not None else ""

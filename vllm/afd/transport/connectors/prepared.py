@@ -90,11 +90,12 @@ class Ubatch:
     add, what a receive returns."""
 
     __slots__ = ("shape", "nbytes", "sent", "received", "view", "into", "routed", "routing",
-                 "routing_shape")
+                 "routing_shape", "unstage")
 
     def __init__(self, rows: int, hidden: int, dtype: torch.dtype, sent: int, received: int,
                  view: "torch.Tensor | None" = None, into: int = 0, routed: int = 0,
-                 routing: "wire.Routing | None" = None, topk: int = 0) -> None:
+                 routing: "wire.Routing | None" = None, topk: int = 0,
+                 unstage: "tuple | None" = None) -> None:
         self.shape = [rows, hidden]
         self.nbytes = rows * hidden * dtype.itemsize  # the tensor's, each way
         self.sent, self.received = sent, received  # bytes on the wire, frame and all
@@ -106,13 +107,27 @@ class Ubatch:
         # side's routing tensors must be.
         self.routed, self.routing = routed, routing
         self.routing_shape = (rows, topk)
+        # A device connector's packed frames (fp8, routing), left raw in the
+        # slot by the C call: per received kind (plain, routed), None or the
+        # (LayerFrame, payload bytes) its bytes are decoded on the device by.
+        self.unstage = unstage
 
 
-def routable(weights: torch.Tensor, ids: torch.Tensor, ub: Ubatch) -> bool:
+def received_frame(dtype: torch.dtype, rows: int, hidden: int, scale_group: int, topk: int,
+                   ubatch: int) -> LayerFrame:
+    """The frame a prepared receive decodes like (codec.PayloadCodec._decode:
+    shape, encoding, routing width and micro-batch are what it reads)."""
+    return _frame(dtype, rows, hidden, scale_group, topk, 0, 0, ubatch)
+
+
+def routable(weights: torch.Tensor, ids: torch.Tensor, ub: Ubatch,
+             device: "torch.device | None" = None) -> bool:
     """Whether a routing's tensors are what a routed frame's C call copies:
     float32 weights and int32 ids of [rows, topk], contiguous, host memory
-    (the general path raises the caller's error for anything else)."""
+    (device: on that device instead, for afd::pack there; the general path
+    raises the caller's error for anything else)."""
     return (weights.dtype == wire.ROUTING_WEIGHT_DTYPE and ids.dtype == wire.ROUTING_ID_DTYPE
             and weights.shape == ub.routing_shape and ids.shape == ub.routing_shape
             and weights.is_contiguous() and ids.is_contiguous()
-            and weights.is_cpu and ids.is_cpu)
+            and (weights.is_cpu and ids.is_cpu if device is None
+                 else weights.device == device and ids.device == device))

@@ -63,8 +63,10 @@ routing is viewed in the slot), with afd::pack's row kernels
 dispatcher round trip and a dozen Python helpers per message end (bench-link,
 fp8 to the FFN, 1 KiB: 82 -> 3.5 us a round trip). A micro-batch has a plain
 and a routed frame prepared; the FFN's receive takes either (a step mixes
-dense and MoE layers). CUDA tensors with fp8 or routing keep the general path
-(their packing runs on the device).
+dense and MoE layers). CUDA tensors with fp8 or routing are packed on the
+device (the op library's kernels, codec._encode) and staged; their frames are
+prepared raw (no codec in the C call), and the receiver copies the payload to
+its device and decodes it there (codec._decode): _post_packed, _unstage.
 
 Device tensors (CUDA) take the prepared calls too, staged through the same
 slots: the sender copies its tensor into its slot and waits for the copy (the
@@ -87,7 +89,8 @@ import torch
 
 from vllm.afd.transport import doorbell, wire
 from vllm.afd.transport.connectors.codec import Packed
-from vllm.afd.transport.connectors.prepared import Ubatch, codec_spec, frame_template, routable
+from vllm.afd.transport.connectors.prepared import (
+    Ubatch, codec_spec, frame_template, received_frame, routable)
 from vllm.afd.transport.errors import LinkClosed, LinkTimeout
 
 class FastFrames:
@@ -114,10 +117,12 @@ class FastFrames:
         self._on_host = self.device.type == "cpu"
 
     def _prepared_enabled(self) -> bool:
-        """The prepared calls: host memory both ends (CUDA tensors staged
-        through it, exact and without routing only: csrc/cpu/frame_codec.h
-        packs host memory), exact or fp8, with routing or without."""
-        return self.device.type in ("cpu", "cuda") and (self._on_host or not (
+        """The prepared calls: host memory both ends, exact or fp8, with
+        routing or without. CUDA tensors are staged through it; their fp8 and
+        routing are packed on the device by the op library (where it packs:
+        csrc/cpu/frame_codec.h packs host memory only), their frames then
+        prepared raw."""
+        return self.device.type in ("cpu", "cuda") and (self._on_host or self._packs or not (
             self.send_scale_group or self.receive_scale_group or self.routing_topk))
 
     def _fast_enabled(self) -> bool:
@@ -136,6 +141,31 @@ class FastFrames:
         tx = self._tx[peer]
         tx.write(u, (t,), t.nbytes)
         return tx.address(u)
+
+    def _post_packed(self, peer: int, layer_id: int, u: int, t: torch.Tensor, ub: Ubatch,
+                     routing: "wire.Routing | None", calls, C) -> bool:
+        """A device tensor's fp8 or routed frame (prepared raw): packed on its
+        device by the op library (the general path's bytes: codec._encode),
+        staged into the slot, posted. False: nothing sent."""
+        if routing is not None and not (ub.routed and routable(*routing, ub, t.device)):
+            return False
+        src = self._staged_source(peer, u, self._encode(peer, u, t, routing))
+        # Any routing address selects the routed frame; a raw frame's routing
+        # is in its payload, at src.
+        if C.lane_post_call(calls, u, layer_id, src, *((src, src) if routing else ())) == 1:
+            return False
+        self.bytes_sent += ub.sent if routing is None else ub.routed
+        self.fast_calls += 1
+        return True
+
+    def _unstage(self, peer: int, u: int, decoded: tuple, out: "torch.Tensor | None" = None):
+        """A raw fp8 or routed frame left in slot u: its payload copied to the
+        device (on the consumer's stream, the slot's event set), decoded there
+        (codec._decode: fp8 unpacked into out or the unpack buffer, routing
+        viewed). (hidden states, routing or None)."""
+        frame, nbytes = decoded
+        raw = self._rx[peer].read(u, torch.uint8, (nbytes,))
+        return self._decode(peer, frame, self.dtype, raw, out)
 
     def _template(self, table: dict, rows: int, scale_group: int = 0, topk: int = 0):
         """The frame template of rows (in this direction's encoding: its table's)."""
@@ -216,11 +246,14 @@ class FastFrames:
         # Frames toward the FFN carry routing on MoE layers (gate_on "attention").
         to_ffn_group = send_group if self.is_attention else receive_group
         overhead = link.frame_overhead
+        # A device's fp8 and routing are packed and unpacked on it (around the
+        # staging), so its frames go as they are: no codec in the C calls.
+        raw = not self._on_host
         for u, rows in enumerate(step.num_tokens):
             out_t = self._template(self._send_templates, rows, send_group)
             in_t = self._template(self._recv_templates, rows, receive_group)
-            out_codec = codec_spec(dtype, rows, hidden, send_group)
-            in_codec = codec_spec(dtype, rows, hidden, receive_group)
+            out_codec = None if raw else codec_spec(dtype, rows, hidden, send_group)
+            in_codec = None if raw else codec_spec(dtype, rows, hidden, receive_group)
             if out_t is None or in_t is None or out_codec is False or in_codec is False:
                 return
             sends.append((*out_t[:4], addresses[0][u], out_t[4], out_codec))
@@ -237,21 +270,28 @@ class FastFrames:
                         :rows * hidden].view(rows, hidden)
                     into = view.data_ptr()
             routed, routing = 0, None
+            # Raw received frames that need the device to decode them: fp8.
+            unstage = [(received_frame(dtype, rows, hidden, receive_group, 0, u), in_t[4])
+                       if raw and receive_group else None, None]
             if topk:  # the same slot, the routing after the hidden states
                 routed_t = self._template(self._routed_templates, rows, to_ffn_group, topk)
-                routed_codec = codec_spec(dtype, rows, hidden, to_ffn_group, 0, topk)
+                routed_codec = (None if raw else
+                                codec_spec(dtype, rows, hidden, to_ffn_group, 0, topk))
                 if routed_t is None or routed_codec is False:
                     return
                 slot = addresses[0 if self.is_attention else 1][u]
                 routed_frames.append((*routed_t[:4], slot, routed_t[4], routed_codec))
                 routed = routed_t[4] + overhead + len(routed_t[0])
-                if not self.is_attention:
+                if not self.is_attention and raw:  # the routing: views on the device
+                    unstage[1] = (received_frame(dtype, rows, hidden, to_ffn_group, topk, u),
+                                  routed_t[4])
+                elif not self.is_attention:
                     layout = wire.PayloadLayout.of(rows, hidden, dtype, to_ffn_group, topk)
                     routing = wire.routing_views(self._rx[peer].slot(u)[:layout.total],
                                                  layout, rows, topk)
             ubatches.append(Ubatch(rows, hidden, dtype, out_t[4] + overhead + len(out_t[0]),
                                    in_t[4] + overhead + len(in_t[0]), view, into, routed,
-                                   routing, topk))
+                                   routing, topk, tuple(unstage) if any(unstage) else None))
         calls = link.C.lane_prepare(link, link.lane, step.step_id, link.spin_ns,
                                     link.fast_wait_ms, sends, recvs,
                                     routed_frames if topk and self.is_attention else None,
@@ -294,7 +334,7 @@ class FastFrames:
         if h.is_cpu and self._on_host:
             src = h.data_ptr()
         elif self.send_scale_group or routing is not None:
-            return False  # packed from host memory only (frame_codec.h)
+            return self._post_packed(0, layer_id, ubatch_id, h, ub, routing, calls, C)
         else:
             src = self._staged_source(0, ubatch_id, h)
         if routing is None:
@@ -320,14 +360,19 @@ class FastFrames:
         if out.dtype == dtype and out.nbytes == ub.nbytes and out.is_contiguous():
             # Counted before, so that nothing stands between the output's arrival
             # and the caller; undone when it does not come.
-            on_host = out.is_cpu and self._on_host
-            if on_host or not self.receive_scale_group:  # fp8: unpacked into host memory
+            on_host, unstage = out.is_cpu and self._on_host, ub.unstage
+            # fp8 is unpacked into host memory by the C call, on a device
+            # connector on the device (unstage).
+            if on_host or not self.receive_scale_group or unstage is not None:
                 self.bytes_received += ub.received
                 self.fast_calls += 1
                 if C.lane_take_call(calls, ubatch_id, layer_id,
                                     out.data_ptr() if on_host else 0):
                     if not on_host:  # staged: from the slot on the caller's stream
-                        self._rx[0].read(ubatch_id, dtype, ub.shape, out)
+                        if unstage is None:
+                            self._rx[0].read(ubatch_id, dtype, ub.shape, out)
+                        else:
+                            self._unstage(0, ubatch_id, unstage[0], out)
                     return True
                 self.bytes_received -= ub.received
                 self.fast_calls -= 1
@@ -401,8 +446,8 @@ class FastFrames:
             return False
         if out.is_cpu and self._on_host:
             src = out.data_ptr()
-        elif self.send_scale_group:
-            return False  # fp8 is packed from host memory (frame_codec.h)
+        elif self.send_scale_group:  # fp8: packed on the device, then staged
+            src = self._staged_source(peer, ubatch_id, self._encode(peer, ubatch_id, out, None))
         else:
             src = self._staged_source(peer, ubatch_id, out)
         if C.lane_post_call(calls, ubatch_id, layer_id, src) == 1:
@@ -432,6 +477,14 @@ class FastFrames:
             if taken == 2:  # the routed frame: its routing stays in the slot
                 self._routings[key] = ub.routing
                 self.bytes_received += ub.routed - ub.received
+            unstage = ub.unstage
+            if unstage is not None and unstage[taken - 1] is not None:
+                # A device's fp8 or routed frame: decoded there (the routing
+                # viewed in the device's copy of the payload).
+                h, routing = self._unstage(peer, ubatch_id, unstage[taken - 1])
+                if taken == 2:
+                    self._routings[key] = routing
+                return h
             view = ub.view
             # On a device: copied from the slot on this side's stream.
             return view if view is not None else self._rx[peer].read(ubatch_id, self.dtype,
