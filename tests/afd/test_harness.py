@@ -75,7 +75,9 @@ def test_gpu_check_passes_on_cpu(data_plane_tree, kernel_paths):
     report = json.loads(report_path.read_text())["checks"]
     passed = {name for name, c in report.items() if c["status"] == "pass"}
     assert passed == {"imports", "kernels", "harness-loopback", "harness-shm", "harness-tcp",
-                      "harness-shm-routed", "harness-shm-fp8", "dummy-runs", "threads",
+                      "harness-shm-routed", "harness-shm-fp8", "harness-tcp-routed-fp8",
+                      "harness-tcp-routed",
+                      "dummy-runs", "threads",
                       "ffn-errors"}, report
     for name in ("kernels-pack", "stream-order", "graphs"):
         assert report[name]["status"] == "skip" and "CUDA" in report[name]["detail"]

@@ -54,7 +54,7 @@ def packed_pair(connector: str, transfer, hidden: int = HIDDEN, topk: int = 0,
         if staged:  # before the handshake: the slots take their ops then
             from test_device_rules import DeferredOps
 
-            side.ops, side._on_host = DeferredOps(), False
+            side.ops, side._on_host, side._socket_on_host = DeferredOps(), False, False
         return side
 
     ffn, attn = make("ffn"), make("attention")
@@ -212,11 +212,11 @@ def test_a_prepared_fp8_payload_is_the_pack_ops_bytes(connector):
 def test_packed_frames_of_device_tensors_where_the_op_library_packs():
     """A connector whose tensors live on a device packs fp8 and routing on
     that device (the op library's kernels), not in the prepared calls' C
-    (host memory only). shm prepares such frames raw and packs on the device
-    around the staging; tcp keeps the general path for them (its exact
-    frames without routing keep their staged prepared calls); a device the
-    library cannot pack on (_packs False) keeps the general path on both.
-    Checked on the CPU through the predicate the prepared calls ask."""
+    (host memory only): both connectors prepare such frames raw and pack on
+    the device around the staging; on a device the library cannot pack on
+    (_packs False) they keep the general path (exact frames without routing
+    keep their staged prepared calls). Checked on the CPU through the
+    predicate the prepared calls ask."""
     from vllm.afd.transport.connectors.shm_fast import FastFrames
     from vllm.afd.transport.connectors.tcp_fast import SocketCalls
 
@@ -231,14 +231,15 @@ def test_packed_frames_of_device_tensors_where_the_op_library_packs():
             fake.send_scale_group, fake.receive_scale_group = send, receive
             fake.routing_topk, fake._packs = topk, packs
             assert FastFrames._prepared_enabled(fake) is (exact or packs)
-            assert SocketCalls._socket_calls_usable(fake) is exact
+            assert SocketCalls._socket_calls_usable(fake) is (exact or packs)
             fake.device, fake._on_host, fake._socket_on_host = torch.device("cpu"), True, True
             assert FastFrames._prepared_enabled(fake) and SocketCalls._socket_calls_usable(fake)
 
 
 @pytest.mark.parametrize("case", ["fp8", "fp8-to-attention", "routed", "routed-fp8-to-ffn"])
-def test_device_tensors_take_shms_prepared_calls_with_fp8_and_routing(case):
-    """shm on a (fake) device: fp8 either way and routed frames take the
+@pytest.mark.parametrize("connector", ["shm", "tcp"])
+def test_device_tensors_take_prepared_calls_with_fp8_and_routing(connector, case):
+    """A connector on a (fake) device: fp8 either way and routed frames take the
     prepared calls at every message end, packed by the op library on the
     device and staged through the slots, the FFN's received hidden states a
     tensor (its loop's lone path takes them) and its routing as sent on the
@@ -247,12 +248,12 @@ def test_device_tensors_take_shms_prepared_calls_with_fp8_and_routing(case):
     transfer = {"fp8": "fp8", "fp8-to-attention": TRANSFERS["fp8-to-attention"],
                 "routed": "auto", "routed-fp8-to-ffn": TRANSFERS["fp8-to-ffn"]}[case]
     topk = TOPK if case.startswith("routed") else 0
-    attn, ffn, kinds = run("shm", transfer, prepared=True, topk=topk, staged=True)
+    attn, ffn, kinds = run(connector, transfer, prepared=True, topk=topk, staged=True)
     calls = len(STEPS) * LAYERS
-    assert attn.fast_calls == 2 * calls and ffn.fast_calls == 2 * calls
+    assert prepared_count(attn) == 2 * calls and prepared_count(ffn) == 2 * calls
     assert kinds == [("Tensor", bool(topk) and layer in ROUTED)
                      for _ in STEPS for layer in range(LAYERS)]
-    host, host_ffn, _ = run("shm", transfer, prepared=True, topk=topk)
+    host, host_ffn, _ = run(connector, transfer, prepared=True, topk=topk)
     assert (attn.bytes_sent, attn.bytes_received) == (host.bytes_sent, host.bytes_received)
     assert (ffn.bytes_sent, ffn.bytes_received) == (host_ffn.bytes_sent, host_ffn.bytes_received)
 

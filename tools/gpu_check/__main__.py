@@ -34,9 +34,9 @@ Checks (each passes, fails, or is skipped with the reason):
                 the real data plane (loopback in one process; shm and tcp as
                 two processes on one device), micro-batches m = 1..4 ping-ponged,
                 routing from the attention side; outputs identical to the model
-                run whole, micro-batch by micro-batch; over shm and tcp with
-                exact frames every message end a prepared call (CUDA: staged
-                through the pinned slots)
+                run whole, micro-batch by micro-batch; over shm and tcp every
+                message end a prepared call (CUDA: staged through the pinned
+                slots, fp8 and routing packed on the device first)
   dummy-runs    profile/warm-up/capture steps send no frame and need no FFN
   threads       every data-plane thread enters the device and stream it was
                 handed (ping-pong workers, link supervisor, FFN loop)
@@ -281,7 +281,7 @@ def _harness(args, connector: str, gate_on_attention: bool = False,
             for m in (1, 2, 3, 4):
                 tokens, ubatches = sample_batch(m, device, seed=m)
                 got = attn.step(tokens, ubatches)
-                want = attn.model.reference(tokens, ubatches, through)
+                want = attn.model.reference(tokens, ubatches, through, gate_on_attention)
                 if not torch.equal(got, want):
                     raise AssertionError(f"m={m}: max |diff| {(got - want).abs().max():.3g}")
                 results.append(f"m={m}:{sum(map(sum, ubatches))}tok")
@@ -293,14 +293,12 @@ def _harness(args, connector: str, gate_on_attention: bool = False,
         # The attention side's message ends through prepared calls (shm's lane,
         # tcp's socket calls; CUDA tensors staged through pinned slots): all of
         # them but the few a busy host delays past the prepared wait's bound
-        # (the general path's then). On shm fp8 and routed frames too (on
-        # CUDA packed on the device, then staged); on tcp exact frames without
-        # routing only (its CUDA packed frames keep the general path).
+        # (the general path's then); fp8 and routed frames too (on CUDA packed
+        # on the device by the op library, then staged).
         lead = attn.link.pool.members[0].lead
         prepared = getattr(lead, {"shm": "fast_calls", "tcp": "socket_calls"}.get(connector, ""),
                            None)
-        if prepared is not None and (connector == "shm" or (transfer == "auto"
-                                                           and not gate_on_attention)):
+        if prepared is not None:
             assert stats.layer_calls <= prepared <= 2 * stats.layer_calls, (
                 prepared, stats.layer_calls)
         calls = f", {prepared} prepared message ends" if prepared is not None else ""
@@ -525,6 +523,9 @@ CHECKS = {
     "harness-tcp": lambda a: _harness(a, "tcp"),
     "harness-shm-routed": lambda a: _harness(a, "shm", gate_on_attention=True),
     "harness-shm-fp8": lambda a: _harness(a, "shm", transfer="fp8"),
+    "harness-tcp-routed-fp8": lambda a: _harness(a, "tcp", gate_on_attention=True,
+                                                 transfer="fp8"),
+    "harness-tcp-routed": lambda a: _harness(a, "tcp", gate_on_attention=True),
     "dummy-runs": check_dummy_runs,
     "threads": check_threads,
     "ffn-errors": check_ffn_errors,

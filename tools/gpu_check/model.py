@@ -130,14 +130,19 @@ class TinyMoEDecoder(nn.Module):
         return self.lm_head(rms_norm(x, self.norm))
 
     def reference(self, tokens: torch.Tensor, ubatches: list[list[int]],
-                  through=None) -> torch.Tensor:
+                  through=None, route_before=False) -> torch.Tensor:
         """The whole model in this process, micro-batch by micro-batch
         (ubatches: the sequence lengths of each). through(x): what the link
-        does to a tensor each way (None: nothing, the exact transfer)."""
+        does to a tensor each way (None: nothing, the exact transfer).
+        route_before: the MoE layers' routers see the hidden states before
+        the link does anything to them (gate_on "attention": routed on the
+        attention side, the routing sent exactly)."""
         mlp = None
         if through is not None:
             def mlp(i: int, y: torch.Tensor) -> torch.Tensor:
-                return through(self.layers[i].mlp(through(y)))
+                ffn = self.layers[i].mlp
+                routing = ffn.route(y) if route_before and hasattr(ffn, "route") else None
+                return through(ffn(through(y), routing))
         outs, start = [], 0
         for seq_lens in ubatches:
             n = sum(seq_lens)

@@ -42,11 +42,14 @@ waits for the copy (the frame goes out from the slot), the receiver settles
 the last copy out of its slot (HostSlots.release), receives into it, and
 copies it to the device on the consumer's stream.
 
-fp8 directions take them for host tensors, as on shm (shm_fast.py): the C
-call packs the tensor into the (peer, micro-batch) pack buffer and sends it
-from there, or receives the payload into the receive buffer and unpacks it
-into the caller's tensor (on the FFN the unpack buffer). Routed frames, and
-fp8 with CUDA tensors, keep the general path.
+fp8 directions and routed frames take them for host tensors, as on shm
+(shm_fast.py): the C call packs the tensor (and the routing) into the (peer,
+micro-batch) pack buffer and sends it from there, or receives the payload
+into the receive buffer and unpacks it into the caller's tensor (on the FFN
+the unpack buffer; the routing viewed there). CUDA tensors' fp8 and routing
+are packed on the device by the op library and staged, their frames prepared
+raw; the receiver copies the payload to its device and decodes it there
+(_socket_post_packed, _socket_unstage), as on shm.
 
 Mixed into TcpConnector (tcp.py) ahead of SocketConnector; the shm and nccl
 connectors, whose payloads do not travel on the socket, derive from
@@ -60,7 +63,8 @@ import torch
 
 from vllm.afd.transport import wire
 from vllm.afd.transport.connectors.codec import Packed
-from vllm.afd.transport.connectors.prepared import Ubatch, codec_spec, frame_template, routable
+from vllm.afd.transport.connectors.prepared import (
+    Ubatch, codec_spec, frame_template, received_frame, routable)
 from vllm.afd.transport.errors import LinkClosed, LinkTimeout, What
 
 MAX_PREFIXED_HEADER = 512  # csrc/cpu/sock_calls.cpp's kMaxHeader
@@ -98,10 +102,11 @@ class SocketCalls:
         self._socket_on_host = self.device.type == "cpu"
 
     def _socket_calls_usable(self) -> bool:
-        """Host memory both ends (CUDA tensors staged through it, exact and
-        without routing only: csrc/cpu/frame_codec.h packs host memory), exact
-        or fp8, with routing or without."""
-        return self.device.type in ("cpu", "cuda") and (self._socket_on_host or not (
+        """Host memory both ends, exact or fp8, with routing or without. CUDA
+        tensors are staged through it; their fp8 and routing are packed on the
+        device by the op library (where it packs: csrc/cpu/frame_codec.h packs
+        host memory only), their frames then prepared raw."""
+        return self.device.type in ("cpu", "cuda") and (self._socket_on_host or self._packs or not (
             self.send_scale_group or self.receive_scale_group or self.routing_topk))
 
     def _socket_template(self, rows: int, scale_group: int, prefix, topk: int = 0):
@@ -130,6 +135,9 @@ class SocketCalls:
         send_group, receive_group = self.send_scale_group, self.receive_scale_group
         # Frames toward the FFN carry routing on MoE layers (gate_on "attention").
         to_ffn_group = send_group if attention else receive_group
+        # A device's fp8 and routing are packed and unpacked on it (around the
+        # staging), so its frames go as they are: no codec, no buffers here.
+        raw = not self._socket_on_host
         for u, rows in enumerate(step.num_tokens):
             out_t = self._socket_template(rows, send_group, link.prefix)
             in_t = self._socket_template(rows, receive_group, link.prefix)
@@ -146,15 +154,16 @@ class SocketCalls:
             # needs it (a pack buffer is max_bytes).
             pack = (self._pack_target(peer, u, max(out_t[4], routed_t[4] if topk else 0),
                                       host).data_ptr()
-                    if send_group or (topk and attention) else 0)
+                    if not raw and (send_group or (topk and attention)) else 0)
             rx = (self._rx_buffer(key, max(in_t[4], routed_t[4] if topk else 0))
-                  if receive_group or (not attention and self._socket_on_host) else None)
+                  if not raw and (receive_group or not attention) else None)
             received_at = 0 if rx is None else rx.data_ptr()
-            out_codec = codec_spec(dtype, rows, hidden, send_group, pack)
-            in_codec = codec_spec(dtype, rows, hidden, receive_group, received_at)
+            out_codec = None if raw else codec_spec(dtype, rows, hidden, send_group, pack)
+            in_codec = None if raw else codec_spec(dtype, rows, hidden, receive_group,
+                                                   received_at)
             routed_codec = (codec_spec(dtype, rows, hidden, to_ffn_group,
                                        pack if attention else received_at, topk)
-                            if topk else None)
+                            if topk and not raw else None)
             if out_codec is False or in_codec is False or routed_codec is False:
                 return
             sends.append((*out_t, out_codec))
@@ -167,15 +176,22 @@ class SocketCalls:
                 view = (self._typed_view(key, rx, dtype, shape)
                         if in_codec is None else self._unpack_buffer(
                             peer, u, dtype, host)[:rows * hidden].view(rows, hidden))
+            # Raw received frames that need the device to decode them: fp8.
+            unstage = [(received_frame(dtype, rows, hidden, receive_group, 0, u), in_t[4])
+                       if raw and receive_group else None, None]
             if topk:
                 routed_frames.append((*routed_t, routed_codec))
                 routed = routed_t[4] + len(routed_t[0])
-                if not attention:  # views of the received payload
+                if not attention and raw:  # the routing: views on the device
+                    unstage[1] = (received_frame(dtype, rows, hidden, to_ffn_group, topk, u),
+                                  routed_t[4])
+                elif not attention:  # views of the received payload
                     layout = wire.PayloadLayout.of(rows, hidden, dtype, to_ffn_group, topk)
                     routing = wire.routing_views(rx[:layout.total], layout, rows, topk)
             # The prefix is part of the template.
             ubatches.append(Ubatch(rows, hidden, dtype, out_t[4] + len(out_t[0]),
-                                   in_t[4] + len(in_t[0]), view, 0, routed, routing, topk))
+                                   in_t[4] + len(in_t[0]), view, 0, routed, routing, topk,
+                                   tuple(unstage) if any(unstage) else None))
         sock = link.sock
         fd = sock.fileno()
         if fd < 0:  # closed by another thread: the general path says so
@@ -201,6 +217,36 @@ class SocketCalls:
         staging = self._staging(self._tx_staging, peer)
         staging.write(u, (t,), t.nbytes)
         return staging.address(u)
+
+    def _socket_post_packed(self, peer: int, layer_id: int, u: int, t: torch.Tensor,
+                            ub: Ubatch, routing: "wire.Routing | None", calls, C) -> bool:
+        """A device tensor's fp8 or routed frame (prepared raw): packed on its
+        device by the op library (the general path's bytes: codec._encode),
+        staged into the slot, sent from there. False: nothing sent."""
+        if routing is not None and not (ub.routed and routable(*routing, ub, t.device)):
+            return False
+        src = self._socket_staged_source(peer, u, self._encode(peer, u, t, routing))
+        # Any routing address selects the routed frame; a raw frame's routing
+        # is in its payload, at src.
+        status = C.sock_post_call(calls, u, layer_id, src, *((src, src) if routing else ()))
+        if status == 1:
+            return False  # nothing sent: the general path sends, or says why not
+        if status < 0:
+            self._broken(peer, status, What("layer {} ubatch {} hidden states", layer_id, u),
+                         "send")
+            return False
+        self.bytes_sent += ub.sent if routing is None else ub.routed
+        self.socket_calls += 1
+        return True
+
+    def _socket_unstage(self, peer: int, u: int, decoded: tuple,
+                        out: "torch.Tensor | None" = None):
+        """A raw fp8 or routed frame received into staging slot u: its payload
+        copied to the device (on the consumer's stream, the slot's event set),
+        decoded there (codec._decode). (hidden states, routing or None)."""
+        frame, nbytes = decoded
+        raw = self._rx_staging[peer].read(u, torch.uint8, (nbytes,))
+        return self._decode(peer, frame, self.dtype, raw, out)
 
     def _socket_staged_target(self, peer: int, u: int) -> int:
         """The address a staged receive writes, once the last copy out of
@@ -239,7 +285,7 @@ class SocketCalls:
         if h.is_cpu and self._socket_on_host:
             src = h.data_ptr()
         elif self.send_scale_group or routing is not None:
-            return False  # packed from host memory only (frame_codec.h)
+            return self._socket_post_packed(0, layer_id, ubatch_id, h, ub, routing, calls, C)
         else:
             src = self._socket_staged_source(0, ubatch_id, h)
         if routing is None:
@@ -266,14 +312,19 @@ class SocketCalls:
             raise ValueError(f"{self.me}: prepared_recv without prepared_send")
         calls, C, ubatches = prepared
         ub = ubatches[ubatch_id]
-        on_host = out.is_cpu and self._socket_on_host
+        on_host, unstage = out.is_cpu and self._socket_on_host, ub.unstage
+        # fp8 is unpacked into host memory by the C call, on a device
+        # connector on the device (unstage).
         if (out.dtype == self.dtype and out.nbytes == ub.nbytes and out.is_contiguous()
-                and (on_host or not self.receive_scale_group)):  # fp8: into host memory
+                and (on_host or not self.receive_scale_group or unstage is not None)):
             status = C.sock_take_call(calls, ubatch_id, layer_id, out.data_ptr() if on_host
                                       else self._socket_staged_target(0, ubatch_id))
             if status == 1:
                 if not on_host:  # staged: from the slot on the caller's stream
-                    self._rx_staging[0].read(ubatch_id, self.dtype, ub.shape, out)
+                    if unstage is None:
+                        self._rx_staging[0].read(ubatch_id, self.dtype, ub.shape, out)
+                    else:
+                        self._socket_unstage(0, ubatch_id, unstage[0], out)
                 self.bytes_received += ub.received
                 self.socket_calls += 1
                 return True
@@ -314,8 +365,9 @@ class SocketCalls:
             return False
         if out.is_cpu and self._socket_on_host:
             src = out.data_ptr()
-        elif self.send_scale_group:
-            return False  # fp8 is packed from host memory (frame_codec.h)
+        elif self.send_scale_group:  # fp8: packed on the device, then staged
+            src = self._socket_staged_source(peer, ubatch_id,
+                                             self._encode(peer, ubatch_id, out, None))
         else:
             src = self._socket_staged_source(peer, ubatch_id, out)
         status = C.sock_post_call(calls, ubatch_id, layer_id, src)
@@ -359,6 +411,14 @@ class SocketCalls:
             self._routings[key] = ub.routing if status == 2 else None
             self.bytes_received += ub.received if status == 1 else ub.routed
             self.socket_calls += 1
+            unstage = ub.unstage
+            if unstage is not None and unstage[status - 1] is not None:
+                # A device's fp8 or routed frame: decoded there (the routing
+                # viewed in the device's copy of the payload).
+                h, routing = self._socket_unstage(peer, ubatch_id, unstage[status - 1])
+                if status == 2:
+                    self._routings[key] = routing
+                return h
             # On a device: copied from the slot on this side's stream.
             return view if view is not None else self._rx_staging[peer].read(
                 ubatch_id, self.dtype, ub.shape)
