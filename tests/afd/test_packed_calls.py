@@ -10,6 +10,7 @@ torch.ops.afd.pack's, and the frames are the general path's in size. Real
 connectors in threads of one process; what the prepared calls save is
 measured by `make bench-link` (`--transfer-dtype`)."""
 
+import sys
 import time
 
 import pytest
@@ -284,6 +285,31 @@ def test_routed_layer_calls_take_prepared_calls(connector, transfer):
     assert attn.bytes_sent - general.bytes_sent == wider
     assert ffn.bytes_received - general_ffn.bytes_received == wider
     assert attn.bytes_received == general.bytes_received
+
+
+def test_a_device_ffn_decodes_plain_and_routed_frames_from_views_built_once(monkeypatch):
+    """A device FFN decodes each routed or fp8 frame from views of its copy of
+    the payload (codec._decode_views: layout, slices, routing views), cached
+    per peer and micro-batch; a step alternates plain and routed frames on
+    one micro-batch (dense and MoE layers), which must not rebuild them at
+    each switch: steps of one shape build them once per frame kind."""
+    from vllm.afd.transport.connectors.codec import PayloadCodec
+
+    built = []
+    original = PayloadCodec._decode_views
+
+    def counted(self, peer, frame, dtype, raw):
+        if not self.is_attention:
+            built.append(frame.topk)
+        return original(self, peer, frame, dtype, raw)
+
+    monkeypatch.setattr(PayloadCodec, "_decode_views", counted)
+    monkeypatch.setattr(sys.modules[__name__], "STEPS", [4, 4, 4])
+    attn, ffn, kinds = run("shm", TRANSFERS["fp8-to-ffn"], prepared=True, topk=TOPK,
+                           staged=True)
+    assert [routed for _, routed in kinds] == [layer in ROUTED for _ in range(3)
+                                               for layer in range(LAYERS)]
+    assert sorted(built) == [0, TOPK], built
 
 
 @pytest.mark.parametrize("connector", ["shm", "tcp"])

@@ -61,7 +61,7 @@ class PayloadCodec:
         # needed. Steps repeat their shapes, and building a layout and its
         # views costs several times the pack itself for decode-sized payloads.
         self._encoded: dict[tuple[int, int], tuple] = {}
-        self._decoded: dict[tuple[int, int], tuple] = {}
+        self._decoded: dict[tuple[int, int, int], tuple] = {}
 
     # ------------------------------------------------------------- sending
     def _encode(self, peer: int, ubatch_id: int, h: torch.Tensor,
@@ -113,7 +113,9 @@ class PayloadCodec:
         whose raw bytes (flat uint8, on self.device) are raw. defer: fp8
         hidden states come back still packed (Packed), for the caller to
         unpack where it wants them."""
-        key = (peer, frame.ubatch_id)
+        # Routed and plain frames apart: a step alternates them on one
+        # micro-batch (dense and MoE layers), which would rebuild the views.
+        key = (peer, frame.ubatch_id, frame.topk)
         signature = (frame.shape, dtype, frame.scale_group, frame.topk, raw.data_ptr(),
                      raw.numel())
         cached = self._decoded.get(key)
