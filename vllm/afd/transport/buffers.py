@@ -134,7 +134,9 @@ class HostSlots:
         """Slot u's payload as dtype and shape, for the consumer (see the
         module docstring). With out, the payload is copied into it."""
         nbytes = _nbytes(dtype, shape)
-        view = self._typed(u, self._slots[u], dtype, shape, nbytes)
+        # Handed out only to a host consumer, which reads the slot itself.
+        view = self._typed(u, self._slots[u], dtype, shape, nbytes,
+                           alias=out is None and self.ops.is_host)
         if out is None:
             if self.ops.is_host:
                 return view  # the CPU consumer reads the slot itself
@@ -172,17 +174,18 @@ class HostSlots:
             self.release(u)
 
     def _typed(self, key, buffer: torch.Tensor, dtype: torch.dtype, shape: Sequence[int],
-               nbytes: int) -> torch.Tensor:
+               nbytes: int, alias: bool = True) -> torch.Tensor:
         """buffer's first bytes as dtype and shape; cached per key (steps
         repeat their shapes, and building the view costs more than a small
-        message). detach() hands out a fresh alias each time."""
+        message). alias: a fresh alias (detach()) for a caller to keep; else
+        the cached view itself, for a copy's source (one torch call fewer)."""
         shape = tuple(shape)
         cached = self._views.get(key)
         if cached is not None and cached[0] == dtype and cached[1] == shape:
-            return cached[2].detach()
+            return cached[2].detach() if alias else cached[2]
         view = buffer[:nbytes].view(dtype).view(shape)
         self._views[key] = (dtype, shape, view)
-        return view.detach()
+        return view.detach() if alias else view
 
     def close(self) -> None:
         try:
