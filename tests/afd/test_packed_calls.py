@@ -287,6 +287,26 @@ def test_routed_layer_calls_take_prepared_calls(connector, transfer):
     assert attn.bytes_received == general.bytes_received
 
 
+@pytest.mark.parametrize("connector", ["shm", "tcp"])
+def test_a_host_connectors_packed_frames_leave_device_tensors_to_the_general_path(connector):
+    """A host connector's fp8 and routed frames are packed by the C call from
+    host memory: a tensor elsewhere (here "meta", standing in for a device)
+    is not sent by the prepared call (the general path's checks then speak),
+    never packed on its device into a frame the C call would pack again."""
+    for transfer, topk in (("fp8", 0), ("auto", TOPK)):
+        ffn, attn = packed_pair(connector, transfer, topk=topk)
+        try:
+            attn.send_step(StepHeader(step_id=1, num_tokens=[4]))
+            assert attn.exchange_prepared()
+            h = torch.empty(4, HIDDEN, dtype=DTYPE, device="meta")
+            routing = routing_for(4, 0) if topk else None
+            assert attn.prepared_send(0, 0, h, None, routing) is False
+            assert prepared_count(attn) == 0 and not attn._in_flight
+        finally:
+            attn.close()
+            ffn.close()
+
+
 def test_a_device_ffn_decodes_plain_and_routed_frames_from_views_built_once(monkeypatch):
     """A device FFN decodes each routed or fp8 frame from views of its copy of
     the payload (codec._decode_views: layout, slices, routing views), cached

@@ -285,7 +285,10 @@ class SocketCalls:
         if h.is_cpu and self._socket_on_host:
             src = h.data_ptr()
         elif self.send_scale_group or routing is not None:
-            return self._socket_post_packed(0, layer_id, ubatch_id, h, ub, routing, calls, C)
+            # A device connector's frame, prepared raw; a host connector's C
+            # packs host memory: a device tensor there goes the general way.
+            return not self._socket_on_host and self._socket_post_packed(
+                0, layer_id, ubatch_id, h, ub, routing, calls, C)
         else:
             src = self._socket_staged_source(0, ubatch_id, h)
         if routing is None:
@@ -366,6 +369,8 @@ class SocketCalls:
         if out.is_cpu and self._socket_on_host:
             src = out.data_ptr()
         elif self.send_scale_group:  # fp8: packed on the device, then staged
+            if self._socket_on_host:
+                return False  # a device tensor on a host connector: the general way
             src = self._socket_staged_source(peer, ubatch_id,
                                              self._encode(peer, ubatch_id, out, None))
         else:
