@@ -94,16 +94,19 @@ def shm_pair_on_a_deferred_device():
     return attn, ffn
 
 
-def staged_shm_pair():
+def staged_shm_pair(attention_ops: DeferredOps | None = None):
     """An shm pair that takes the prepared calls as CUDA connectors do (staged
     through their slots, shm_fast.py) on the fake asynchronous device: the
     attention side's copies out of the received slot land later (the FFN's
-    fake device is the host's memory: it reads the slot in place)."""
+    fake device is the host's memory: it reads the slot in place).
+    attention_ops: the attention side's fake device (a DeferredOps)."""
     port = free_port()
     ffn = make("shm", "ffn", port)
     attn = make("shm", "attention", port)
     for side in (attn, ffn):  # stage as on a GPU (none here)
         side.ops, side._on_host = DeferredOps(), False
+    if attention_ops is not None:  # before the handshake: the slots take their ops then
+        attn.ops = attention_ops
     waiter = Background(ffn.connect)
     attn.connect()
     waiter.join_result()
@@ -189,20 +192,13 @@ def test_a_staged_send_is_one_copy_that_has_landed_before_the_header(kind, lande
     an event and a wait: no record and no wait_host from the send side.
     landed=False returns from the copy before it lands: the negative control,
     where the FFN reads the slot's old bytes."""
+    from test_tcp_calls import staged_tcp_pair
+
+    counting = CountingOps(landed=landed)
     if kind == "shm":
-        port = free_port()
-        ffn, attn = make("shm", "ffn", port), make("shm", "attention", port)
-        flag = "_on_host"
+        attn, ffn = staged_shm_pair(counting)
     else:
-        port = free_port()
-        ffn, attn = make("tcp", "ffn", port), make("tcp", "attention", port)
-        flag = "_socket_on_host"
-    attn.ops, ffn.ops = CountingOps(landed=landed), DeferredOps()
-    setattr(attn, flag, False)
-    setattr(ffn, flag, False)
-    waiter = Background(ffn.connect)
-    attn.connect()
-    waiter.join_result()
+        ffn, attn = staged_tcp_pair(counting)
     try:
         attn.send_step(StepHeader(step_id=1, num_tokens=[4]))
         ffn.recv_step(0)

@@ -202,15 +202,18 @@ def test_the_link_and_the_loop_take_socket_calls():
         loop.stop()
 
 
-def staged_tcp_pair():
+def staged_tcp_pair(attention_ops=None):
     """A tcp pair that takes the prepared calls as CUDA connectors do (staged
     through their pinned host slots) on a fake asynchronous device
-    (test_device_rules.DeferredOps: copies land 0.2 s later): no GPU here."""
+    (test_device_rules.DeferredOps: copies land 0.2 s later): no GPU here.
+    attention_ops: the attention side's fake device (a DeferredOps)."""
     from test_device_rules import DeferredOps
 
     ffn, attn = tcp_pair()
     for side in (attn, ffn):  # stage as on a GPU
         side.ops, side._socket_on_host = DeferredOps(), False
+    if attention_ops is not None:  # the staging slots are made at first use
+        attn.ops = attention_ops
     return ffn, attn
 
 

@@ -54,7 +54,6 @@ class HostSlots:
         self._spare_events: list = [None] * count  # released, recorded again next read
         self._own_events: list = [False] * count  # the last read's event is self.ops'
         self._write_events: list = [None] * count  # each slot's device-to-host fence
-        self._write_views: list = [None] * count  # (dtype, shape, typed view of the slot)
         self._device_buffers: list[torch.Tensor | None] = [None] * count
         self._views: dict = {}
 
@@ -117,12 +116,9 @@ class HostSlots:
             if not part.is_contiguous():
                 raise ValueError(f"AFD payloads must be contiguous; got strides "
                                  f"{part.stride()}")
-            dtype, shape = part.dtype, part.shape
-            cached = self._write_views[u]
-            if cached is None or cached[0] != dtype or cached[1] != shape:
-                view = self._slots[u][:nbytes].view(dtype).view(shape)
-                cached = self._write_views[u] = (dtype, shape, view)
-            self.ops_for(part).copy_to_host(cached[2], part)
+            view = self._typed(("write", u), self._slots[u], part.dtype, part.shape, nbytes,
+                               alias=False)
+            self.ops_for(part).copy_to_host(view, part)
         return nbytes
 
     def ops_for(self, tensor: torch.Tensor) -> DeviceOps:
@@ -193,7 +189,6 @@ class HostSlots:
         except Exception as e:  # noqa: BLE001 - closing after a device error
             logger.debug("releasing host slots failed: %s", e)
         self._views.clear()
-        self._write_views = [None] * self.count
         self._slots = []
         self._addresses = []
         self._device_buffers = []

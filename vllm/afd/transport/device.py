@@ -144,7 +144,7 @@ class DeviceOps:
         copy: the copy and a wait for the current stream, both inside one
         call (no event, no stream lookup in Python)."""
         if src.device.type == "cpu":
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+            self.copy(dst, src)  # synchronous on the host
         else:
             dst.copy_(src)
 

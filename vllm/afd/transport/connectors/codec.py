@@ -139,6 +139,17 @@ class PayloadCodec:
             target = out
         return target if target is out else target.detach(), routing
 
+    def _decode_staged(self, slots, peer: int, u: int, decoded: tuple,
+                       out: torch.Tensor | None = None
+                       ) -> "tuple[torch.Tensor, Routing | None]":
+        """A device connector's raw fp8 or routed frame left in host slot u
+        of slots (buffers.HostSlots) by a prepared receive: its payload copied
+        to the device (on the consumer's stream, the slot's event set) and
+        decoded there (_decode). decoded: the (LayerFrame, payload bytes) the
+        step prepared (prepared.Ubatch.unstage)."""
+        frame, nbytes = decoded
+        return self._decode(peer, frame, self.dtype, slots.read(u, torch.uint8, (nbytes,)), out)
+
     def _decode_views(self, peer: int, frame: wire.LayerFrame, dtype: torch.dtype,
                       raw: torch.Tensor) -> tuple:
         """(hidden states: a view of raw (exact) or the unpack buffer (fp8),

@@ -66,7 +66,7 @@ and a routed frame prepared; the FFN's receive takes either (a step mixes
 dense and MoE layers). CUDA tensors with fp8 or routing are packed on the
 device (the op library's kernels, codec._encode) and staged; their frames are
 prepared raw (no codec in the C call), and the receiver copies the payload to
-its device and decodes it there (codec._decode): _post_packed, _unstage.
+its device and decodes it there (codec._decode_staged): _post_packed.
 
 Device tensors (CUDA) take the prepared calls too, staged through the same
 slots: the sender copies its tensor into its slot and waits for the copy (the
@@ -158,15 +158,6 @@ class FastFrames:
         self.fast_calls += 1
         return True
 
-    def _unstage(self, peer: int, u: int, decoded: tuple, out: "torch.Tensor | None" = None):
-        """A raw fp8 or routed frame left in slot u: its payload copied to the
-        device (on the consumer's stream, the slot's event set), decoded there
-        (codec._decode: fp8 unpacked into out or the unpack buffer, routing
-        viewed). (hidden states, routing or None)."""
-        frame, nbytes = decoded
-        raw = self._rx[peer].read(u, torch.uint8, (nbytes,))
-        return self._decode(peer, frame, self.dtype, raw, out)
-
     def _template(self, table: dict, rows: int, scale_group: int = 0, topk: int = 0):
         """The frame template of rows (in this direction's encoding: its table's)."""
         if rows not in table:
@@ -180,8 +171,8 @@ class FastFrames:
             if tx is None or rx is None:
                 return None
             addresses = self._slot_addresses[peer] = (
-                [tx.slot(u).data_ptr() for u in range(tx.count)],
-                [rx.slot(u).data_ptr() for u in range(rx.count)])
+                [tx.address(u) for u in range(tx.count)],
+                [rx.address(u) for u in range(rx.count)])
         return addresses
 
     def _usable(self, peer: int, t: torch.Tensor, rows: int):
@@ -375,7 +366,7 @@ class FastFrames:
                         if unstage is None:
                             self._rx[0].read(ubatch_id, dtype, ub.shape, out)
                         else:
-                            self._unstage(0, ubatch_id, unstage[0], out)
+                            self._decode_staged(self._rx[0], 0, ubatch_id, unstage[0], out)
                     return True
                 self.bytes_received -= ub.received
                 self.fast_calls -= 1
@@ -486,9 +477,8 @@ class FastFrames:
             if unstage is not None and unstage[taken - 1] is not None:
                 # A device's fp8 or routed frame: decoded there (the routing
                 # viewed in the device's copy of the payload).
-                h, routing = self._unstage(peer, ubatch_id, unstage[taken - 1])
-                if taken == 2:
-                    self._routings[key] = routing
+                h, self._routings[key] = self._decode_staged(self._rx[peer], peer, ubatch_id,
+                                                             unstage[taken - 1])
                 return h
             view = ub.view
             # On a device: copied from the slot on this side's stream.

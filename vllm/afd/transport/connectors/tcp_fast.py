@@ -49,7 +49,7 @@ into the receive buffer and unpacks it into the caller's tensor (on the FFN
 the unpack buffer; the routing viewed there). CUDA tensors' fp8 and routing
 are packed on the device by the op library and staged, their frames prepared
 raw; the receiver copies the payload to its device and decodes it there
-(_socket_post_packed, _socket_unstage), as on shm.
+(_socket_post_packed, codec._decode_staged), as on shm.
 
 Mixed into TcpConnector (tcp.py) ahead of SocketConnector; the shm and nccl
 connectors, whose payloads do not travel on the socket, derive from
@@ -239,15 +239,6 @@ class SocketCalls:
         self.socket_calls += 1
         return True
 
-    def _socket_unstage(self, peer: int, u: int, decoded: tuple,
-                        out: "torch.Tensor | None" = None):
-        """A raw fp8 or routed frame received into staging slot u: its payload
-        copied to the device (on the consumer's stream, the slot's event set),
-        decoded there (codec._decode). (hidden states, routing or None)."""
-        frame, nbytes = decoded
-        raw = self._rx_staging[peer].read(u, torch.uint8, (nbytes,))
-        return self._decode(peer, frame, self.dtype, raw, out)
-
     def _socket_staged_target(self, peer: int, u: int) -> int:
         """The address a staged receive writes, once the last copy out of
         that slot has read it."""
@@ -327,7 +318,7 @@ class SocketCalls:
                     if unstage is None:
                         self._rx_staging[0].read(ubatch_id, self.dtype, ub.shape, out)
                     else:
-                        self._socket_unstage(0, ubatch_id, unstage[0], out)
+                        self._decode_staged(self._rx_staging[0], 0, ubatch_id, unstage[0], out)
                 self.bytes_received += ub.received
                 self.socket_calls += 1
                 return True
@@ -420,9 +411,8 @@ class SocketCalls:
             if unstage is not None and unstage[status - 1] is not None:
                 # A device's fp8 or routed frame: decoded there (the routing
                 # viewed in the device's copy of the payload).
-                h, routing = self._socket_unstage(peer, ubatch_id, unstage[status - 1])
-                if status == 2:
-                    self._routings[key] = routing
+                h, self._routings[key] = self._decode_staged(
+                    self._rx_staging[peer], peer, ubatch_id, unstage[status - 1])
                 return h
             # On a device: copied from the slot on this side's stream.
             return view if view is not None else self._rx_staging[peer].read(
