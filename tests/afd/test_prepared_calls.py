@@ -266,7 +266,9 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps(pat
     the step's last included, before its bookkeeping), give the FFN's results,
     and their time is
     split into sending and waiting as the general path's is; each side counts
-    its spins' preemptions and backoffs in its link statistics."""
+    its spins' preemptions and backoffs in its link statistics. The FFN's
+    waits for the next call's hidden states count as waiting (20 ms of
+    attention compute before each call but a step's first)."""
     layers = [0, 1, 2]
     loop, link, weight = loop_and_link("shm", layers)
     try:
@@ -277,6 +279,8 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps(pat
             assert link._fast is not None
             h = torch.randn(rows, HIDDEN)
             for layer in layers:
+                if layer:
+                    time.sleep(0.02)  # this side's compute: the FFN waits for it
                 out = torch.empty_like(h)
                 assert link.exchange(layer, h, out) is out
                 torch.testing.assert_close(out, h @ weight + layer, rtol=0, atol=0)
@@ -297,6 +301,7 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps(pat
         assert link.round_trip.count == 3 * len(layers)
         ffn_stats = loop.stats()
         assert ffn_stats.layer_calls == 3 * len(layers) and ffn_stats.send_s > 0
+        assert ffn_stats.wait_s >= 0.02 * (len(layers) - 1) * 3
         assert loop.compute_hist.count == 3 * len(layers)
         # Spins that lost their core land in each side's link statistics (lane_note_spin
         # notes one as the C wait does; three within a second make a backoff).

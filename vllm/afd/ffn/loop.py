@@ -421,6 +421,10 @@ class FFNLoop:
             routed_topk = self.routing_topk
             last = len(calls) - 1
             h = None  # the next call's hidden states, when already received
+            # When the last prepared receive began, its wait counted once the
+            # next mlp has run (its start ends the wait): no clock read between
+            # the hidden states' arrival and the mlp.
+            t_recv = None
             # Between a received call and its mlp, and between the mlp and its
             # reply, as little as possible: after an mlp has streamed its
             # weights through the caches every Python line costs ~1 us, on the
@@ -452,7 +456,8 @@ class FFNLoop:
                         # The post is counted as waiting, moved to send_s when
                         # the step ends (take_reply_send_s), as reply_and_recv's.
                         t2 = now()
-                        stats.wait_s += t2 - t1
+                        stats.wait_s += t2 - t1 if t_recv is None else t2 - t1 + t0 - t_recv
+                        t_recv = None
                         rows = h.shape[0]
                         batcher.leave_alone(rows)
                         compute.compute_s += t1 - t0
@@ -461,10 +466,13 @@ class FFNLoop:
                         if posted:
                             if i < last:
                                 h = conn.recv_prepared(peer, *calls[i + 1])
-                                stats.wait_s += now() - t2
+                                t_recv = t2
                             continue
                         # Not posted: replied below, as a batched call is.
                     else:
+                        if t_recv is not None:
+                            stats.wait_s += now() - t_recv
+                            t_recv = None
                         try:
                             out = batcher.compute(layer_idx, h, peer, routing)
                         except (FFNComputeError, PlanError) as e:
@@ -485,6 +493,8 @@ class FFNLoop:
                         conn.send_output(peer, layer_idx, u, out)
                         stats.send_s += now() - t2
             finally:
+                if t_recv is not None:  # a prepared receive whose mlp never ran
+                    stats.wait_s += now() - t_recv
                 batcher.end(peer)
                 self.fold_observed()
                 sent = conn.take_reply_send_s(peer)

@@ -468,7 +468,10 @@ class FastFrames:
         self._routings[key] = None
         self.bytes_received += ub.received
         self.fast_calls += 1
+        view = ub.view  # a host FFN's: exact frames' slot or fp8's unpack buffer
         taken = C.lane_take_call(calls, ubatch_id, layer_id, ub.into)
+        if taken == 1 and view is not None:
+            return view  # the common case first: the next mlp waits on this path
         if taken:
             if taken == 2:  # the routed frame: its routing stays in the slot
                 self._routings[key] = ub.routing
@@ -480,7 +483,6 @@ class FastFrames:
                 h, self._routings[key] = self._decode_staged(self._rx[peer], peer, ubatch_id,
                                                              unstage[taken - 1])
                 return h
-            view = ub.view
             # On a device: copied from the slot on this side's stream.
             return view if view is not None else self._rx[peer].read(ubatch_id, self.dtype,
                                                                      ub.shape)
@@ -493,10 +495,15 @@ class FastFrames:
     def take_reply_send_s(self, peer: int) -> float:
         return self._prepared_send_s(peer) + super().take_reply_send_s(peer)
 
+    def recv_prepared(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor | Packed":
+        # recv_hidden's, one Python frame fewer between the frame and the mlp.
+        h = self._take_prepared(peer, layer_id, ubatch_id) if self._prepared.get(peer) else None
+        return h if h is not None else super().recv_hidden(peer, layer_id, ubatch_id, defer=True)
+
     def recv_hidden(self, peer: int, layer_id: int, ubatch_id: int, *,
                     defer: bool = False) -> "torch.Tensor | Packed":
         # The FFN's receives (a step's first; the rest through recv_prepared,
-        # ffn_side.py's): the prepared call where the step has them, else (or
+        # above): the prepared call where the step has them, else (or
         # when the frame is not the expected one) the general receive.
         h = (self._take_prepared(peer, layer_id, ubatch_id)
              if not self.is_attention and self._prepared.get(peer) is not None else None)

@@ -380,10 +380,15 @@ class SocketCalls:
         self._routings.pop(key, None)
         return True
 
+    def recv_prepared(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor | Packed":
+        # recv_hidden's, one Python frame fewer between the frame and the mlp.
+        h = self._socket_recv(peer, layer_id, ubatch_id)
+        return h if h is not None else super().recv_hidden(peer, layer_id, ubatch_id, defer=True)
+
     def recv_hidden(self, peer: int, layer_id: int, ubatch_id: int, *,
                     defer: bool = False) -> "torch.Tensor | Packed":
         # The FFN's receives (a step's first; the rest through recv_prepared,
-        # ffn_side.py's): the prepared receive where it can take it, else the
+        # above): the prepared receive where it can take it, else the
         # general receive (its wait, its errors).
         h = self._socket_recv(peer, layer_id, ubatch_id) if not self.is_attention else None
         return h if h is not None else super().recv_hidden(peer, layer_id, ubatch_id,
@@ -397,16 +402,23 @@ class SocketCalls:
         calls, C, ubatches = prepared
         ub = ubatches[ubatch_id]
         view = ub.view
-        status = C.sock_take_call(calls, ubatch_id, layer_id,
-                                  view.data_ptr() if view is not None
-                                  else self._socket_staged_target(peer, ubatch_id))
+        target = (view.data_ptr() if view is not None
+                  else self._socket_staged_target(peer, ubatch_id))
+        # The receive's bookkeeping as if it will succeed (undone below when it
+        # does not): after the receive, only the return stands between it and
+        # the next mlp.
+        key = (peer, ubatch_id)
+        self._awaiting[key] = (layer_id, ub.shape)
+        self._routings[key] = None
+        self.bytes_received += ub.received
+        self.socket_calls += 1
+        status = C.sock_take_call(calls, ubatch_id, layer_id, target)
+        if status == 1 and view is not None:
+            return view  # the common case first: the next mlp waits on this path
         if status > 0:
-            key = (peer, ubatch_id)
-            self._awaiting[key] = (layer_id, ub.shape)
-            # 2: the routed frame, its routing in the receive buffer
-            self._routings[key] = ub.routing if status == 2 else None
-            self.bytes_received += ub.received if status == 1 else ub.routed
-            self.socket_calls += 1
+            if status == 2:  # the routed frame, its routing in the receive buffer
+                self._routings[key] = ub.routing
+                self.bytes_received += ub.routed - ub.received
             unstage = ub.unstage
             if unstage is not None and unstage[status - 1] is not None:
                 # A device's fp8 or routed frame: decoded there (the routing
@@ -417,6 +429,10 @@ class SocketCalls:
             # On a device: copied from the slot on this side's stream.
             return view if view is not None else self._rx_staging[peer].read(
                 ubatch_id, self.dtype, ub.shape)
+        del self._awaiting[key]
+        del self._routings[key]
+        self.bytes_received -= ub.received
+        self.socket_calls -= 1
         if status < 0:
             self._broken(peer, status, What("the hidden states of layer {} ubatch {}",
                                             layer_id, ubatch_id), "payload")
