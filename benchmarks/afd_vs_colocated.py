@@ -260,9 +260,10 @@ def run_afd(args: argparse.Namespace) -> dict[str, dict]:
 
 
 def machine_info() -> dict:
-    from vllm.afd.planner.calibrate import cpu_isa, cpu_model
+    from vllm.afd.planner.calibrate import cpu_generation, cpu_isa, cpu_model
 
-    return {"cpu_model": cpu_model(), "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count(),
+    return {"cpu_model": cpu_model(), "cpu_isa": cpu_isa(), "cpu_generation": cpu_generation(),
+            "cpu_count": os.cpu_count(),
             "python": sys.version.split()[0], "load_average_1m": os.getloadavg()[0]}
 
 

@@ -393,11 +393,12 @@ def main(argv=None) -> int:
     use_staging_variants()
     import torch
 
-    from vllm.afd.planner.calibrate import cpu_isa, cpu_model
+    from vllm.afd.planner.calibrate import cpu_generation, cpu_isa, cpu_model
 
     torch.set_num_threads(1)
     results = {"benchmark": "layer_call", "machine": {
-        "cpu_model": cpu_model(), "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model(), "cpu_isa": cpu_isa(), "cpu_generation": cpu_generation(),
+        "cpu_count": os.cpu_count(),
         "load_average_1m": os.getloadavg()[0],
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None},
         "settings": {"hidden": HIDDEN, "layers": LAYERS, "dtype": "bfloat16",

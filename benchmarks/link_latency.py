@@ -253,11 +253,12 @@ def main(argv=None) -> int:
     pin(ATTENTION_CORE)
     import torch
 
-    from vllm.afd.planner.calibrate import cpu_isa, cpu_model
+    from vllm.afd.planner.calibrate import cpu_generation, cpu_isa, cpu_model
 
     torch.set_num_threads(1)
     results = {"benchmark": "link_latency", "machine": {
-        "cpu_model": cpu_model(), "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model(), "cpu_isa": cpu_isa(), "cpu_generation": cpu_generation(),
+        "cpu_count": os.cpu_count(),
         "load_average_1m": os.getloadavg()[0]},
         "settings": {"hidden": HIDDEN, "dtype": "bfloat16", "iters": args.iters,
                      "transfer_dtype": args.transfer_dtype,

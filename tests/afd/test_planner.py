@@ -430,14 +430,34 @@ def test_profile_and_bench_of_one_model_name_but_another_isa_do_not_compare():
     benchcheck.check_host(bench, hw)
 
 
-# The calibrated profile against the committed `make bench`. Not met (2026-12-04, an
-# AVX-512 AMD EPYC VM where the FFN bounds the step, the profile with the bench model's
-# layers measured in plain vLLM): within 15 % in 45 of 64 cells (attention 13 of 16,
-# FFN 11, link 9, ratio 12); the FFN's misses follow the VM's minutes (its B = 1 step
-# took 10.7-14.1 ms in one bench), the attention's are single noisy points of the
-# two-core table, the link's tenths of a millisecond, the ratio's those combined at
-# B = 32 (README "Planning a deployment" has the table).
-# strict: once a re-calibration meets 15 % everywhere for a part, this xfail fails and
+def test_profile_and_bench_of_one_model_and_isa_but_another_generation_do_not_compare():
+    """"AMD EPYC" with AVX-512 bf16 named a Zen 4 VM on 2026-12-04 and a Zen 5 one
+    (family/model 26/2, its layers 20-50 % faster) on 2026-12-05."""
+    from vllm.afd.planner import calibrate
+
+    if Path("/proc/cpuinfo").is_file() and "cpu family" in Path("/proc/cpuinfo").read_text():
+        assert re.fullmatch(r"\d+/\d+", calibrate.cpu_generation())
+    hw = dataclasses.replace(load_hardware(str(CPU_PROFILE)), cpu_generation="26/2")
+    bench = {"machine": {"cpu_model": hw.cpu_model, "cpu_isa": hw.cpu_isa,
+                         "cpu_generation": "25/17"}}
+    with pytest.raises(ValueError, match="family/model 26/2, .* one of 25/17: calibrate"):
+        benchcheck.check_host(bench, hw)
+    bench["machine"]["cpu_generation"] = "26/2"
+    benchcheck.check_host(bench, hw)
+    del bench["machine"]["cpu_generation"]  # recorded since 2026-12-05: older results compare
+    benchcheck.check_host(bench, hw)
+
+
+# The calibrated profile against the committed `make bench` (2026-12-05, an AMD EPYC
+# Zen 5 VM with AVX-512 where the FFN bounds the step from B = 8, the profile with the
+# bench model's layers measured in plain vLLM): within 15 % in 51 of 64 cells, the FFN in
+# all 16 (so its case must pass); attention 6 of 16 (-2 to +27 %: the probe times plain
+# vLLM's attention half on one core that also runs the mlps, whose weights evict the
+# attention's from the caches; AFD's attention core never runs an mlp), link 14 (+17 %
+# at B = 32, m = 1: 0.10 against 0.08 ms a step), ratio 15 (+16 % at B = 8, m = 2).
+# The AVX-512 Zen 4 VM's pair (2026-12-04, benchmarks/results/avx512-host/) met it in 45
+# of 64, its FFN in 11 (README "Planning a deployment" has both tables).
+# strict: once a re-calibration meets 15 % everywhere for a part, its xfail fails and
 # must go.
 @pytest.fixture(scope="module")
 def cpu_rows():
@@ -466,8 +486,12 @@ def test_the_auto_policys_run_is_predicted_at_the_m_its_rule_chose(cpu_rows):
     assert [(r.batch, r.microbatches) for r in auto_rows] == sorted(chosen.items())
 
 
-@pytest.mark.xfail(strict=True, reason="CPU prediction not within 15 % (see the comment)")
-@pytest.mark.parametrize("part", benchcheck.PARTS)
+NOT_WITHIN_15 = pytest.mark.xfail(strict=True, reason="CPU prediction not within 15 % (see "
+                                  "the comment above cpu_rows)")
+
+
+@pytest.mark.parametrize("part", [p if p == "ffn" else pytest.param(p, marks=NOT_WITHIN_15)
+                                  for p in benchcheck.PARTS])
 def test_cpu_profile_predicts_make_bench_within_15_percent(cpu_rows, part):
     _, _, rows = cpu_rows
     misses = {(r.batch, r.microbatches): f"{r.error(part):+.0%}" for r in rows

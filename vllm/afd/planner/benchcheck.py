@@ -119,6 +119,12 @@ def check_host(bench: dict, hw: Hardware) -> None:
     if hw.cpu_isa and bench_isa and hw.cpu_isa != bench_isa:
         raise ValueError(f"the profile was measured on a {hw.cpu_model} with {hw.cpu_isa}, the "
                          f"bench ran on one with {bench_isa}: calibrate on the bench's host")
+    # ... and of one ISA, CPUs of different generations (recorded since 2026-12-05).
+    bench_generation = bench["machine"].get("cpu_generation")
+    if hw.cpu_generation and bench_generation and hw.cpu_generation != bench_generation:
+        raise ValueError(f"the profile was measured on a {hw.cpu_model} of family/model "
+                         f"{hw.cpu_generation}, the bench ran on one of {bench_generation}: "
+                         "calibrate on the bench's host")
 
 
 def table(rows: list[Row]) -> str:

@@ -81,6 +81,7 @@ class Hardware:
     engine: EngineTable | None = None  # measured layers of one model (cpu profiles)
     cpu_model: str = ""
     cpu_isa: str = ""  # calibrate.cpu_isa() of the host a cpu profile was measured on
+    cpu_generation: str = ""  # calibrate.cpu_generation() of that host
     measured: str = ""
     path: str = ""
 
@@ -155,6 +156,7 @@ def _parse(data: dict, name: str, path: str) -> Hardware:
         ffn_layer_overhead=float(overhead.get("ffn_layer", 0.0)),
         colocated=colocated, engine=engine, cpu_model=str(data.get("cpu_model", "")),
         cpu_isa=str(data.get("cpu_isa", "")),
+        cpu_generation=str(data.get("cpu_generation", "")),
         measured=str(data.get("measured", "")), path=path)
 
 
