@@ -464,9 +464,10 @@ def measure(model: str | None = None) -> dict:
     if model is not None:
         from vllm.afd.planner import engine_probe
 
+        # One core is an AFD role's: its attention half timed without mlps.
         for name, core_set in (("device", cores[:1]), ("colocated", cores)):
-            result[name]["engine"] = {"model": Path(model).name,
-                                      **engine_probe.run(model, core_set)}
+            result[name]["engine"] = {"model": Path(model).name, **engine_probe.run(
+                model, core_set, attention_alone=name == "device")}
     result["moe_isa"] = kernel[2] if kernel else None
     result["bf16_gemm"] = "vLLM's oneDNN GEMM" if dense else "torch linear"
     result["seconds"] = time.monotonic() - t0
@@ -518,7 +519,9 @@ def profile_text(m: dict) -> str:
             lines.extend([
                 f"[{prefix}engine]  # {e['model']} in plain vLLM, {d['threads']} thread(s): "
                 "seconds per decode token count,",
-                "# one layer's attention half, one mlp, the step's work outside the layers",
+                "# one layer's attention half" + (" (every mlp an identity: an AFD attention core)"
+                                                  if prefix == "" else "")
+                + ", one mlp, the step's work outside the layers",
                 f'model = "{e["model"]}"',
                 *(f"{k} = [{', '.join(f'{v:.4g}' for v in e[k])}]"
                   for k in ("tokens", "attention_layer", "ffn_layer", "step_other")),

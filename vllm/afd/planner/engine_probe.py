@@ -14,6 +14,13 @@ count, the seconds of one layer's attention half (the decoder layer minus its
 mlp), of one mlp, and of the step's work outside the layers (embedding, final
 norm, LM head, sampler, scheduler).
 
+On an AFD attention core no mlp runs: its layers' weights and KV cache stay in
+caches that, in plain vLLM, each mlp's expert weights sweep. So the attention
+half of the device table (one core: an AFD role's) is timed again with every
+mlp an identity (`attention_alone`): plain vLLM's attention half, on a core that
+also streams the mlps' weights, read 8-27 % slower than `make bench`'s AFD
+attention on the Zen 5 VM (2026-12-05).
+
 The planner uses the table for that model only (cost.py); every other model
 still gets the roofline. It runs in a process of its own (its cores, its
 threads, its environment):
@@ -54,11 +61,12 @@ def median_pass(passes: list[tuple[float, ...]]) -> tuple[float, ...]:
     return sorted(passes, key=sum)[(len(passes) - 1) // 2]
 
 
-def probe(model: str, batches: list[int], steps: int) -> dict:
+def probe(model: str, batches: list[int], steps: int, attention_alone: bool = False) -> dict:
     """In this process: {"tokens", "layers" (the decoder layers timed),
-    "attention_layer", "ffn_layer", "step_other"}
+    "attention_layer", "ffn_layer", "step_other"[, "mlp_alone"]}
     (seconds: medians over the decode steps at each batch size, of the median
-    of PASSES passes)."""
+    of PASSES passes). attention_alone: attention_layer from further passes
+    with every mlp an identity (an AFD attention core's layers)."""
     import torch
     from vllm import LLM, SamplingParams
 
@@ -91,16 +99,18 @@ def probe(model: str, batches: list[int], steps: int) -> dict:
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     vocab = engine.model_config.get_vocab_size()
     n = len(layers)
-    passes: dict[int, list[tuple[float, float, float]]] = {b: [] for b in batches}
-    with torch.inference_mode():
-        # Every batch size PASSES times, in turn, keeping the median pass of each
-        # (by its step): a VM's slow phases last seconds and made one B read 30 %
-        # slow. Not the fastest pass (before 2026-12-04): `make bench` reports
-        # medians, and the fastest of a few passes leans to the VM's fast phases.
+
+    def timed_passes(tag: str) -> dict[int, tuple[float, float, float]]:
+        """Every batch size PASSES times, in turn, keeping the median pass of
+        each (by its step): a VM's slow phases last seconds and made one B read
+        30 % slow. Not the fastest pass (before 2026-12-04): `make bench`
+        reports medians, and the fastest of a few passes leans to the VM's fast
+        phases."""
+        passes: dict[int, list[tuple[float, float, float]]] = {b: [] for b in batches}
         for pass_ in range(PASSES):
             for b in batches:
                 for r in range(b):
-                    engine.add_request(f"probe-{pass_}-{b}-{r}",
+                    engine.add_request(f"probe-{tag}-{pass_}-{b}-{r}",
                                        {"prompt_token_ids": prompt_ids(r, vocab)}, params)
                 rows = []
                 while engine.has_unfinished_requests():
@@ -110,25 +120,37 @@ def probe(model: str, batches: list[int], steps: int) -> dict:
                     step = time.perf_counter() - t0
                     rows.append((step, spans("layer"), spans("mlp")))
                 decode = rows[1:-1] or rows  # not the prefill, not the step that finishes
-                medians = (statistics.median(r[1] - r[2] for r in decode) / n,
-                           statistics.median(r[2] for r in decode) / n,
-                           statistics.median(r[0] - r[1] for r in decode))
-                passes[b].append(medians)
-    chosen = {b: median_pass(p) for b, p in passes.items()}
-    return {"tokens": list(batches), "layers": n,
-            **{part: [chosen[b][i] for b in batches]
-               for i, part in enumerate(("attention_layer", "ffn_layer", "step_other"))}}
+                passes[b].append((statistics.median(r[1] - r[2] for r in decode) / n,
+                                  statistics.median(r[2] for r in decode) / n,
+                                  statistics.median(r[0] - r[1] for r in decode)))
+        return {b: median_pass(p) for b, p in passes.items()}
+
+    with torch.inference_mode():
+        chosen = timed_passes("plain")
+        table = {part: [chosen[b][i] for b in batches]
+                 for i, part in enumerate(("attention_layer", "ffn_layer", "step_other"))}
+        if attention_alone:
+            # The mlps as identities: the tokens are garbage, the attention's
+            # work (its weights, the KV cache of the same context lengths) is not.
+            for layer in layers:
+                layer.mlp.forward = lambda hidden_states, *args, **kwargs: hidden_states
+            alone = timed_passes("alone")
+            table["attention_layer"] = [alone[b][0] for b in batches]
+            table["mlp_alone"] = [alone[b][1] for b in batches]  # the identities' (a check)
+    return {"tokens": list(batches), "layers": n, **table}
 
 
 def run(model: str, cores: list[int], batches: list[int] = list(BATCHES),
-        steps: int = DECODE_STEPS, timeout: float = 900.0) -> dict:
+        steps: int = DECODE_STEPS, timeout: float = 900.0,
+        attention_alone: bool = False) -> dict:
     """probe() in a fresh process on `cores`, one torch thread per core."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)),
                OMP_NUM_THREADS=str(len(cores)))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cmd = [sys.executable, "-m", "vllm.afd.planner.engine_probe", "--model", str(model),
-           "--batches", ",".join(map(str, batches)), "--steps", str(steps)]
+           "--batches", ",".join(map(str, batches)), "--steps", str(steps),
+           *(["--attention-alone"] if attention_alone else [])]
     # The cores from the start (before exec): `-m` imports the vllm package, and
     # torch with it, before main() runs; an OpenMP team started on other cores
     # and then squeezed onto these ran 10x slower.
@@ -146,8 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--steps", type=int, default=DECODE_STEPS)
+    ap.add_argument("--attention-alone", action="store_true",
+                    help="the attention half timed with every mlp an identity")
     args = ap.parse_args(argv)
-    table = probe(args.model, [int(b) for b in args.batches.split(",")], args.steps)
+    table = probe(args.model, [int(b) for b in args.batches.split(",")], args.steps,
+                  args.attention_alone)
     print(json.dumps(table), flush=True)
     return 0
 
