@@ -539,10 +539,13 @@ def print_split(res: dict) -> None:
             # with m > 1 the FFN computes while attention does: blocked - ffn
             # is no measure of the link there (it goes negative)
             m = min(r.get("chosen_ubatches") or cfg["num_ubatches"], int(b))
+            # auto: its probing steps at other m are in the same split
+            probed = any(int(k) > 1 and n for k, n in r.get("ubatch_steps", {}).items())
             print(f"{cfg.get('label', cfg['num_ubatches']):>4} {b:>4}"
                   + "".join(f" {sp[key]:>9.2f}" if key in sp else f" {'-':>9}"
                             for key, _ in SPLIT_COLUMNS)
-                  + (f" {sp['link_us_per_layer']:>8.0f}us" if m == 1 else f" {'-':>10}")
+                  + (f" {sp['link_us_per_layer']:>8.0f}us" if m == 1 and not probed
+                     else f" {'-':>10}")
                   + (f" {sp['ffn_outside_mlp_us_per_layer']:>12.0f}us"
                      if "ffn_outside_mlp_us_per_layer" in sp else f" {'-':>14}")
                   + (f" {r['own_bound']['step_ms']:>9.2f} {r['own_bound']['fraction']:>6.0%}"
@@ -559,8 +562,8 @@ def print_split(res: dict) -> None:
     print("\nspin preemptions/backoffs in the median N-token run (a backoff: that side's "
           "waits sleep for 0.1-1 s): " + ("; ".join(spins) if spins else "none"))
     print("\n(link/layer: the attention side's wait on the link beyond the FFN's compute, per "
-          "layer: (blocked - ffn) / layers,\nat m = 1 only: with m > 1 the FFN computes while "
-          "attention does;\nffn-other/call: ffn-other per layer call (layer x "
+          "layer: (blocked - ffn) / layers,\nat m = 1 only (auto: where no step probed another "
+          "m): with m > 1 the FFN computes while attention does;\nffn-other/call: ffn-other per layer call (layer x "
           "micro-batch), part of link/layer at m = 1;\n"
           "own-bound: this configuration's step with a free link and perfect overlap of its own "
           "measured compute\n(m = 1: attn-out + attn + ffn; m > 1: attn-out + max(attn, ffn)); "
