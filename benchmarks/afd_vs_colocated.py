@@ -563,8 +563,9 @@ def print_split(res: dict) -> None:
           "waits sleep for 0.1-1 s): " + ("; ".join(spins) if spins else "none"))
     print("\n(link/layer: the attention side's wait on the link beyond the FFN's compute, per "
           "layer: (blocked - ffn) / layers,\nat m = 1 only (auto: where no step probed another "
-          "m): with m > 1 the FFN computes while attention does;\nffn-other/call: ffn-other per layer call (layer x "
-          "micro-batch), part of link/layer at m = 1;\n"
+          "m): with m > 1 the FFN computes while attention does;\n"
+          "ffn-other/call: ffn-other per layer call (layer x micro-batch), part of link/layer "
+          "at m = 1;\n"
           "own-bound: this configuration's step with a free link and perfect overlap of its own "
           "measured compute\n(m = 1: attn-out + attn + ffn; m > 1: attn-out + max(attn, ffn)); "
           "of own: own-bound / step, how well\nits pipeline runs. of bound = of own x bound / "
