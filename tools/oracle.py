@@ -32,24 +32,26 @@ PROMPTS = [
 ]
 
 
-# The MLA kernels for DeepSeek on every CPU. Without an explicit choice an
-# Intel host with AMX picks AMX_MLA, which refuses fp32 weights (plain vLLM as
-# well as AFD), while AMD hosts run CPU_MLA: the suite would test other kernels
-# on each host, or fail on one.
+# The MLA kernels for DeepSeek on every CPU in float32. Without an explicit
+# choice an Intel host with AMX picks AMX_MLA, which refuses fp32 weights (plain
+# vLLM as well as AFD), while AMD hosts run CPU_MLA: the suite would test other
+# kernels on each host, or fail on one. In bfloat16 (what users serve) the
+# tests leave the choice to vLLM: there the point is each host's own kernels.
 MLA_BACKEND = "CPU_MLA"
 
 
-def attention_backend_for(model) -> str | None:
+def attention_backend_for(model, dtype: str = "float32") -> str | None:
     """The attention backend the tests pin for a checkpoint (None: vLLM's choice)."""
     from pathlib import Path
 
     config = json.loads((Path(model) / "config.json").read_text())
-    return MLA_BACKEND if config.get("kv_lora_rank") else None
+    pin = config.get("kv_lora_rank") and dtype == "float32"
+    return MLA_BACKEND if pin else None
 
 
-def engine_cli_args(model) -> list[str]:
+def engine_cli_args(model, dtype: str = "float32") -> list[str]:
     """`vllm serve` arguments the tests add for a checkpoint."""
-    backend = attention_backend_for(model)
+    backend = attention_backend_for(model, dtype)
     return ["--attention-backend", backend] if backend else []
 
 
@@ -90,10 +92,12 @@ def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int
     link_stats = llm.collective_rpc("afd_link_stats")[0] if afd_config else None
     link = llm.collective_rpc("afd_link_document")[0] if afd_config else None
     try:  # a worker method of vllm-afd's; stock vLLM (the stock reference) has none
-        backends = llm.collective_rpc("afd_attention_backends")[0]
+        kernels = llm.collective_rpc("afd_kernels")[0]
     except Exception:  # noqa: BLE001
-        backends = None
+        kernels = None
+    ffn_kernels = None
     if ffn_engine is not None:
+        ffn_kernels = ffn_engine.core.collective_rpc("afd_kernels")[0]
         ffn_engine.shutdown()
     import torch
 
@@ -102,8 +106,12 @@ def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int
     return {"results": results, "init_s": t_init, "generate_s": t_gen, "link_stats": link_stats,
             "vllm": {"version": vllm.__version__, "file": vllm.__file__,
                      "afd": hasattr(llm.llm_engine.vllm_config, "afd_config")},
-            "dummy_runs": (link or {}).get("dummy_runs"), "attention_backends": backends,
+            "dummy_runs": (link or {}).get("dummy_runs"),
+            "attention_backends": kernels and kernels["attention_backends"],
+            # this engine's kernels (model/kernels.py), and the in-process FFN role's
+            "kernels": kernels, "ffn_kernels": ffn_kernels,
             "ubatches": (link or {}).get("ubatches"),
+            "dtype": str(llm.llm_engine.vllm_config.model_config.dtype),
             "amx": torch.cpu._is_amx_tile_supported()}
 
 
@@ -127,7 +135,8 @@ def run_matrix(args) -> int:
         try:
             for kind, config in runs:
                 result = run(model, config, False, args.max_tokens, args.num_prompts,
-                             args.dtype, attention_backend_for(model), args.prompt)
+                             args.dtype, attention_backend_for(model, args.dtype),
+                             args.prompt)
                 result["wall_s"] = time.monotonic() - t0
                 (out / f"{name}.{kind}.json").write_text(json.dumps(result))
                 release_engine()

@@ -147,29 +147,24 @@ def test_refusals_come_from_the_real_config(models_dir):
                           spec).speculative_config is not None
 
 
-@pytest.fixture(scope="module")
-def matrix(models_dir, tmp_path_factory) -> Path:
-    """Every family's plain and AFD runs, in one oracle process (one start)."""
-    out = tmp_path_factory.mktemp("matrix")
+def run_matrix(models_dir: Path, out: Path, names, dtype: str = "float32") -> float:
+    """Every named family's plain and AFD runs, in one oracle process (one
+    start); its wall time."""
     t0 = time.monotonic()
     proc = preload.run(
-        [sys.executable, str(ORACLE), "--matrix", str(out),
-         *[str(models_dir / name) for name in sorted(MATRIX)]],
+        [sys.executable, str(ORACLE), "--matrix", str(out), "--dtype", dtype,
+         *[str(models_dir / name) for name in sorted(names)]],
         capture_output=True, text=True, timeout=900, cwd=out,
         env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0)))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    TIMINGS["matrix"] = time.monotonic() - t0
-    return out
+    return time.monotonic() - t0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(MATRIX))
-def test_family_matches_plain(models_dir, matrix, name, kernel_paths):
-    """Plain vLLM, then AFD (loopback, both roles in the oracle's process): the
-    same greedy tokens and logprobs on the oracle's 10 prompts (steps mixing
-    prefill and decode), every layer through the link."""
+def check_family(models_dir: Path, matrix: Path, name: str) -> tuple[dict, dict]:
+    """One family's matrix runs: the same greedy tokens and logprobs, every
+    layer through the link, not a degenerate checkpoint, the same attention
+    backends. Returns (plain, afd)."""
     model = models_dir / name
-    assert json.loads((model / "config.json").read_text())["architectures"] == [MATRIX[name]]
     error = matrix / f"{name}.error.txt"
     assert not error.exists(), error.read_text()[-4000:]
     plain = json.loads((matrix / f"{name}.plain.json").read_text())
@@ -180,6 +175,25 @@ def test_family_matches_plain(models_dir, matrix, name, kernel_paths):
     # Not a degenerate checkpoint: the prompts get different continuations.
     assert len({tuple(r["token_ids"]) for r in plain["results"]}) >= 5
     assert plain["attention_backends"] == afd["attention_backends"]
+    return plain, afd
+
+
+@pytest.fixture(scope="module")
+def matrix(models_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("matrix")
+    TIMINGS["matrix"] = run_matrix(models_dir, out, MATRIX)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MATRIX))
+def test_family_matches_plain(models_dir, matrix, name, kernel_paths):
+    """Plain vLLM, then AFD (loopback, both roles in the oracle's process): the
+    same greedy tokens and logprobs on the oracle's 10 prompts (steps mixing
+    prefill and decode), every layer through the link."""
+    assert json.loads((models_dir / name / "config.json").read_text())["architectures"] == [
+        MATRIX[name]]
+    _, afd = check_family(models_dir, matrix, name)
     kernel_paths.add(f"{name}: attention {'/'.join(afd['attention_backends'])}, "
                      f"plain + AFD {afd['wall_s']:.0f}s (matrix of {len(MATRIX)}: "
                      f"{TIMINGS.get('matrix', 0):.0f}s)")

@@ -34,9 +34,9 @@ pytestmark = pytest.mark.slow
 
 def run_oracle(model: Path, out: Path, afd_config: dict | None = None,
                compile_model: bool = False, num_prompts: int = 10,
-               extra: tuple[str, ...] = ()) -> dict:
-    cmd = [sys.executable, str(ORACLE), str(model), "--out", str(out),
-           "--num-prompts", str(num_prompts), *engine_cli_args(model), *extra]
+               extra: tuple[str, ...] = (), dtype: str = "float32") -> dict:
+    cmd = [sys.executable, str(ORACLE), str(model), "--out", str(out), "--dtype", dtype,
+           "--num-prompts", str(num_prompts), *engine_cli_args(model, dtype), *extra]
     if afd_config is not None:
         cmd += ["--afd-config", json.dumps(afd_config)]
     if compile_model:
@@ -73,11 +73,12 @@ def loopback_result(model: Path, tmp_path: Path) -> dict:
 
 
 def ffn_server(model: Path, afd_config: dict, log: Path, *, extra: list[str] = (),
-               cpus: str | None = None, env: dict[str, str] | None = None) -> Server:
-    args = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
+               cpus: str | None = None, env: dict[str, str] | None = None,
+               dtype: str = "float32") -> Server:
+    args = ["--max-model-len", "512", "--dtype", dtype, "--enforce-eager",
             "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
             "--afd-role", "ffn", "--afd-config", json.dumps(afd_config),
-            *engine_cli_args(model), *extra]
+            *engine_cli_args(model, dtype), *extra]
     return Server(str(model), args, log_path=log,
                   env={"VLLM_CPU_OMP_THREADS_BIND": cpus or cpu(1), **(env or {})},
                   name=f"FFN server {afd_config.get('ffn_rank', 0)}")

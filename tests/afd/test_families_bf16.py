@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""The model matrix in bfloat16, the dtype users serve, where the CPU kinds differ.
+
+vLLM's CPU backend picks kernels by host and dtype. In float32 (the rest of the
+suite) every x86 host runs oneDNN GEMMs, the vector attention and the portable
+MoE experts. In bfloat16 an Intel host with AMX tiles runs others: SGL's AMX
+GEMM for small linears (every linear of a tiny checkpoint), the AMX attention
+ISA, AMX_MLA for DeepSeek and the AMX grouped-GEMM experts where their shapes
+allow; AMD and AVX2 hosts keep oneDNN and the vector kernels. So this module is
+the family matrix that proves AFD on each CPU kind's own kernels: every
+supported architecture's checkpoint (test_families.MATRIX and ELSEWHERE)
+through plain vLLM and AFD (loopback, one process for all), token-exact with
+logprobs within 1e-5; the two AFD roles' kernels (vllm/afd/model/kernels.py)
+together those plain vLLM ran; and the AMX kernels really ran on an AMX host,
+and none elsewhere. One MoE family is also served with 2 micro-batches.
+"""
+
+import time
+
+import pytest
+import torch
+
+from servers import free_port
+from test_families import ELSEWHERE, MATRIX, check_family, run_matrix
+from test_oracle import assert_micro_batched, assert_same, ffn_server, ffn_stats, run_oracle
+
+pytestmark = pytest.mark.slow
+
+DTYPE = "bfloat16"
+NAMES = sorted({*MATRIX, *ELSEWHERE.values()})
+AMX = torch.cpu._is_amx_tile_supported()
+TIMINGS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def matrix(models_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("matrix-bf16")
+    TIMINGS["matrix"] = run_matrix(models_dir, out, NAMES, DTYPE)
+    return out
+
+
+def _sum(*counts: dict) -> dict:
+    total: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            total[k] = total.get(k, 0) + v
+    return dict(sorted(total.items()))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_family_matches_plain_in_bf16(models_dir, matrix, name, kernel_paths):
+    plain, afd = check_family(models_dir, matrix, name)
+    assert plain["amx"] == afd["amx"] == AMX
+    assert plain["dtype"] == afd["dtype"] == "torch.bfloat16"
+    kp, ka, kf = plain["kernels"], afd["kernels"], afd["ffn_kernels"]
+    # The split engines picked what plain vLLM picked: the attention role runs
+    # every attention layer, the FFN role every MoE layer, and the two roles'
+    # linears add up to plain vLLM's.
+    assert (ka["attention_backends"], ka["attention_isa"]) == (
+        kp["attention_backends"], kp["attention_isa"]), (kp, ka)
+    assert not kf["attention_backends"] and not ka["moe_experts"], (ka, kf)
+    assert kf["moe_experts"] == kp["moe_experts"], (kp, kf)
+    assert _sum(ka["linear"], kf["linear"]) == kp["linear"], (kp, ka, kf)
+    # Each host's own kernels: AMX's where the CPU has its tiles, none elsewhere.
+    mla = kp["attention_backends"] in (["CPU_MLA"], ["AMX_MLA"])
+    if AMX:
+        assert "sgl" in kp["linear"], kp
+        assert (kp["attention_backends"] == ["AMX_MLA"]) if mla else (
+            "amx" in kp["attention_isa"]), kp
+    else:
+        assert "sgl" not in kp["linear"] and "amx" not in kp["attention_isa"], kp
+        assert not any("amx" in e for e in kp["moe_experts"]), kp
+    kernel_paths.add(
+        f"{name} bf16: attention {'/'.join(kp['attention_backends'] + kp['attention_isa'])}, "
+        f"linear {kp['linear']}, experts {kp['moe_experts'] or '-'}; plain + AFD "
+        f"{afd['wall_s']:.0f}s (bf16 matrix of {len(NAMES)}: {TIMINGS.get('matrix', 0):.0f}s)")
+
+
+# Micro-batches give the FFN's kernels fewer rows than plain vLLM's. With oneDNN
+# and the vector kernels a row's result does not depend on the rows beside it
+# (served with m = 2 in bf16 on an AMD Zen 5 VM: every family here exact but
+# DeepSeek's MLA). SGL's AMX GEMM switches kernels above 4 rows, which may round
+# a row differently: not yet run on an AMX host.
+AMX_ROWS = pytest.mark.xfail(
+    AMX, strict=False,
+    reason="AMX host: SGL's bf16 GEMM takes another kernel above 4 rows, so a "
+           "micro-batch may round differently from the whole batch (not yet measured)")
+
+
+@AMX_ROWS
+def test_served_moe_family_in_bf16_with_micro_batches(models_dir, tmp_path, kernel_paths):
+    """Qwen2-MoE (shared expert, its gate and the routed experts on the FFN)
+    against a real FFN server over shm, 2 micro-batches, bf16 on both roles."""
+    model = models_dir / "tiny-qwen2-moe"
+    config = {"connector": "shm", "port": free_port(), "timeout_s": 60, "num_ubatches": 2,
+              "ubatch_policy": "fixed"}
+    t0 = time.monotonic()
+    with ffn_server(model, config, tmp_path / "ffn.log", dtype=DTYPE) as ffn:
+        plain = run_oracle(model, tmp_path / "plain.json", dtype=DTYPE)
+        ffn.wait_ready()
+        afd = run_oracle(model, tmp_path / "afd.json", {**config, "role": "attention"},
+                         dtype=DTYPE)
+        served = ffn_stats(ffn)
+    assert plain["dtype"] == afd["dtype"] == "torch.bfloat16"
+    assert_micro_batched(afd, model, 2)
+    assert served["steps"] == afd["link_stats"]["steps"] > 0
+    assert_same(plain, afd)
+    kernel_paths.add(f"tiny-qwen2-moe bf16 served, m = 2: linear {plain['kernels']['linear']}, "
+                     f"{time.monotonic() - t0:.0f}s")
