@@ -21,6 +21,7 @@ FFN on both roles).
 
 import json
 import os
+from collections import Counter
 import re
 import sys
 import time
@@ -162,8 +163,8 @@ def run_matrix(models_dir: Path, out: Path, names, dtype: str = "float32") -> fl
 
 def check_family(models_dir: Path, matrix: Path, name: str) -> tuple[dict, dict]:
     """One family's matrix runs: the same greedy tokens and logprobs, every
-    layer through the link, not a degenerate checkpoint, the same attention
-    backends. Returns (plain, afd)."""
+    layer through the link, not a degenerate checkpoint, the same kernels.
+    Returns (plain, afd)."""
     model = models_dir / name
     error = matrix / f"{name}.error.txt"
     assert not error.exists(), error.read_text()[-4000:]
@@ -174,7 +175,16 @@ def check_family(models_dir: Path, matrix: Path, name: str) -> tuple[dict, dict]
     assert_micro_batched(afd, model, 1)  # every layer went to the FFN engine
     # Not a degenerate checkpoint: the prompts get different continuations.
     assert len({tuple(r["token_ids"]) for r in plain["results"]}) >= 5
-    assert plain["attention_backends"] == afd["attention_backends"]
+    # The split engines picked what plain vLLM picked (model/kernels.py): the
+    # attention role runs every attention layer, the FFN role every MoE layer,
+    # and the two roles' linears add up to plain vLLM's.
+    kp, ka, kf = plain["kernels"], afd["kernels"], afd["ffn_kernels"]
+    assert (ka["attention_backends"], ka["attention_isa"]) == (
+        kp["attention_backends"], kp["attention_isa"]), (kp, ka)
+    assert not kf["attention_backends"] and not ka["moe_experts"], (ka, kf)
+    assert kf["moe_experts"] == kp["moe_experts"], (kp, kf)
+    assert dict(sorted((Counter(ka["linear"]) + Counter(kf["linear"])).items())) == (
+        kp["linear"]), (kp, ka, kf)
     return plain, afd
 
 
