@@ -117,6 +117,38 @@ SPECS = {
         num_experts_per_tok=1, interleave_moe_layer_step=2,
         attention_chunk_size=128,
     ),
+    # OLMoE: q/k RMSNorm over the whole projection, top-k without
+    # renormalization, every layer MoE, no shared expert.
+    "tiny-olmoe": dict(
+        arch="OlmoeForCausalLM", num_hidden_layers=2, hidden_size=128,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        num_experts=8, num_experts_per_tok=2,
+    ),
+    # ERNIE 4.5 MoE: dense layer 0, a float32 router with a correction bias
+    # (`moe_statics`, [1, E] in the checkpoint), one shared expert.
+    "tiny-ernie45-moe": dict(
+        arch="Ernie4_5_MoeForCausalLM", num_hidden_layers=3, hidden_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=256, moe_intermediate_size=64, moe_num_experts=8, moe_k=2,
+        moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2,
+    ),
+    # Phi-3.5-MoE: `block_sparse_moe` (w1/w2/w3 experts) routed by
+    # sparsemixer (a custom routing function), LayerNorms with a bias, q/k/v/o
+    # and lm_head with a bias (vLLM always builds them).
+    "tiny-phimoe": dict(
+        arch="PhiMoEForCausalLM", num_hidden_layers=2, hidden_size=128,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        num_local_experts=8, num_experts_per_tok=2,
+    ),
+    # Granite MoE: fused expert tensors (`input_linear` [E, 2I, H],
+    # `output_linear` [E, H, I]), `router.layer`, and Granite's multipliers
+    # (embedding, attention, residual, logits) at Granite 3's values.
+    "tiny-granitemoe": dict(
+        arch="GraniteMoeForCausalLM", num_hidden_layers=2, hidden_size=128,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=12.0,
+        attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0,
+    ),
     "tiny-llama": dict(
         _GQA, arch="LlamaForCausalLM", num_hidden_layers=2, hidden_size=128,
         intermediate_size=256,
@@ -133,7 +165,7 @@ SPECS = {
 }
 # Architectures whose HF config class is not arch.replace("ForCausalLM",
 # "Config") (Llama4Config is the multimodal wrapper).
-CONFIG_CLASS = {"Llama4ForCausalLM": "Llama4TextConfig"}
+CONFIG_CLASS = {"Llama4ForCausalLM": "Llama4TextConfig", "PhiMoEForCausalLM": "PhimoeConfig"}
 TINY = [n for n in SPECS if n.startswith("tiny-")]
 
 
@@ -222,6 +254,10 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], str]]:
         out[p + "post_attention_layernorm.weight"] = ((h,), "ones")
         out.update(_attention_shapes(cfg, p + "self_attn."))
         out.update(_ffn_shapes(cfg, i, p))
+    if _arch(cfg) == "PhiMoEForCausalLM":  # LayerNorm, and lm_head with a bias
+        out.update({k[:-len("weight")] + "bias": ((h if "norm" in k else VOCAB,), "bias")
+                    for k in list(out)
+                    if k.endswith("norm.weight") or k == "lm_head.weight"})
     return out
 
 
@@ -248,13 +284,18 @@ def _attention_shapes(cfg: dict, a: str) -> dict:
     out[a + "v_proj.weight"] = ((nkv * hd, h), "normal")
     out[a + "o_proj.weight"] = ((h, nh * hd), "normal")
     # vLLM's Qwen2 attention always has a q/k/v bias (Qwen2Config has no field).
-    if cfg.get("qkv_bias") or cfg.get("attention_bias") or arch == "Qwen2ForCausalLM":
+    if (cfg.get("qkv_bias") or cfg.get("attention_bias")
+            or arch in ("Qwen2ForCausalLM", "PhiMoEForCausalLM")):
         out[a + "q_proj.bias"] = ((nh * hd,), "normal")
         out[a + "k_proj.bias"] = ((nkv * hd,), "normal")
         out[a + "v_proj.bias"] = ((nkv * hd,), "normal")
-    if arch == "GptOssForCausalLM":
+    if arch in ("GptOssForCausalLM", "PhiMoEForCausalLM"):
         out[a + "o_proj.bias"] = ((h,), "normal")
+    if arch == "GptOssForCausalLM":
         out[a + "sinks"] = ((nh,), "normal")
+    if arch == "OlmoeForCausalLM":  # over the whole q / k projection
+        out[a + "q_norm.weight"] = ((nh * hd,), "ones")
+        out[a + "k_norm.weight"] = ((nkv * hd,), "ones")
     # Llama 4's qk-norm has no weight.
     if arch.startswith("Qwen3") or (
             arch == "Glm4MoeForCausalLM" and cfg.get("use_qk_norm")):
@@ -275,12 +316,18 @@ def _glu(q: str, h: int, inter: int, names=("gate_proj", "up_proj", "down_proj")
 def _ffn_shapes(cfg: dict, i: int, p: str) -> dict:
     h, arch = cfg["hidden_size"], _arch(cfg)
     out = {}
-    if arch == "MixtralForCausalLM":
+    if arch in ("MixtralForCausalLM", "PhiMoEForCausalLM"):
         m, e = p + "block_sparse_moe.", cfg["num_local_experts"]
         out[m + "gate.weight"] = ((e, h), "normal")
         for j in range(e):
             out.update(_glu(f"{m}experts.{j}.", h, cfg["intermediate_size"],
                             ("w1", "w3", "w2")))
+        return out
+    if arch == "GraniteMoeForCausalLM":
+        m, e, inter = p + "block_sparse_moe.", cfg["num_local_experts"], cfg["intermediate_size"]
+        out[m + "router.layer.weight"] = ((e, h), "normal")
+        out[m + "input_linear.weight"] = ((e, 2 * inter, h), "normal")
+        out[m + "output_linear.weight"] = ((e, h, inter), "normal")
         return out
     if arch == "GptOssForCausalLM":
         # Fused expert tensors, [E, in, out]; gate/up interleaved along 2I.
@@ -306,18 +353,28 @@ def _ffn_shapes(cfg: dict, i: int, p: str) -> dict:
             out.update(_glu(m, h, cfg["intermediate_size_mlp"]))
         return out
     m = p + "mlp."
+    if arch == "Ernie4_5_MoeForCausalLM":
+        if i < cfg["moe_layer_start_index"] or i > cfg["moe_layer_end_index"]:
+            return _glu(m, h, cfg["intermediate_size"])
+        e, mi = cfg["moe_num_experts"], cfg["moe_intermediate_size"]
+        out[m + "gate.weight"] = ((e, h), "normal")
+        out[m + "moe_statics.e_score_correction_bias"] = ((1, e), "bias")
+        for j in range(e):
+            out.update(_glu(f"{m}experts.{j}.", h, mi))
+        out.update(_glu(m + "shared_experts.", h, mi * cfg["moe_num_shared_experts"]))
+        return out
     if "n_routed_experts" in cfg:  # DeepSeek V2/V3, GLM-4 MoE
         n_exp = cfg["n_routed_experts"]
         sparse = i >= cfg["first_k_dense_replace"]
-    elif "num_experts" in cfg:  # Qwen3-MoE, Qwen2-MoE
+    elif "num_experts" in cfg:  # Qwen3-MoE, Qwen2-MoE, OLMoE (every layer)
         n_exp = cfg["num_experts"]
         sparse = (i not in (cfg.get("mlp_only_layers") or [])
-                  and (i + 1) % cfg["decoder_sparse_step"] == 0)
+                  and (i + 1) % cfg.get("decoder_sparse_step", 1) == 0)
     else:  # dense
         n_exp, sparse = 0, False
     mlps = []
     if sparse:
-        mi = cfg["moe_intermediate_size"]
+        mi = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]  # OLMoE: none
         out[m + "gate.weight"] = ((n_exp, h), "normal")
         if (cfg.get("topk_method") == "noaux_tc"
                 or arch == "Glm4MoeForCausalLM"):

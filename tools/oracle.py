@@ -129,9 +129,11 @@ def run_matrix(args) -> int:
         name = Path(model).name
         # loopback binds nothing; the port is only validated.
         afd_config = json.dumps({"connector": "loopback", "port": 7700, "timeout_s": 60,
-                                 "role": "attention"})
+                                 "role": "attention", "gate_on": args.gate_on})
         t0 = time.monotonic()
-        runs = (("plain", None),) if args.plain_only else (("plain", None), ("afd", afd_config))
+        runs = (("plain", None), ("afd", afd_config))
+        if args.plain_only or args.afd_only:
+            runs = runs[:1] if args.plain_only else runs[1:]
         try:
             for kind, config in runs:
                 result = run(model, config, False, args.max_tokens, args.num_prompts,
@@ -201,6 +203,10 @@ def main() -> int:
                          "DIR/NAME.afd.json, or DIR/NAME.error.txt if that model failed")
     ap.add_argument("--plain-only", action="store_true",
                     help="with --matrix: plain vLLM only (e.g. stock vLLM, which has no AFD)")
+    ap.add_argument("--afd-only", action="store_true",
+                    help="with --matrix: AFD only (the plain runs are another matrix's)")
+    ap.add_argument("--gate-on", default="ffn", choices=["ffn", "attention"],
+                    help="with --matrix: where the AFD runs' MoE routers run")
     ap.add_argument("--afd-config", default=None)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--max-tokens", type=int, default=16)

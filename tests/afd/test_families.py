@@ -48,6 +48,10 @@ MATRIX = {
     "tiny-glm4-moe": "Glm4MoeForCausalLM",
     "tiny-gpt-oss": "GptOssForCausalLM",
     "tiny-llama4": "Llama4ForCausalLM",
+    "tiny-olmoe": "OlmoeForCausalLM",
+    "tiny-ernie45-moe": "Ernie4_5_MoeForCausalLM",
+    "tiny-phimoe": "PhiMoEForCausalLM",
+    "tiny-granitemoe": "GraniteMoeForCausalLM",
     "tiny-llama": "LlamaForCausalLM",
     "tiny-qwen3": "Qwen3ForCausalLM",
     "tiny-qwen2": "Qwen2ForCausalLM",
@@ -89,7 +93,7 @@ def _model_config(*archs: str):
     return SimpleNamespace(architectures=list(archs), model="/models/x")
 
 
-@pytest.mark.parametrize("arch", ["OlmoeForCausalLM", *sorted(REFUSED)])
+@pytest.mark.parametrize("arch", ["Cohere2MoeForCausalLM", *sorted(REFUSED)])
 def test_unsupported_architecture_is_refused_with_the_reason(arch):
     with pytest.raises(UnsupportedModelError) as e:
         check_model(_model_config(arch), "ffn", "attention")
@@ -148,12 +152,13 @@ def test_refusals_come_from_the_real_config(models_dir):
                           spec).speculative_config is not None
 
 
-def run_matrix(models_dir: Path, out: Path, names, dtype: str = "float32") -> float:
+def run_matrix(models_dir: Path, out: Path, names, dtype: str = "float32",
+               *extra: str) -> float:
     """Every named family's plain and AFD runs, in one oracle process (one
     start); its wall time."""
     t0 = time.monotonic()
     proc = preload.run(
-        [sys.executable, str(ORACLE), "--matrix", str(out), "--dtype", dtype,
+        [sys.executable, str(ORACLE), "--matrix", str(out), "--dtype", dtype, *extra,
          *[str(models_dir / name) for name in sorted(names)]],
         capture_output=True, text=True, timeout=900, cwd=out,
         env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0)))
@@ -207,6 +212,38 @@ def test_family_matches_plain(models_dir, matrix, name, kernel_paths):
     kernel_paths.add(f"{name}: attention {'/'.join(afd['attention_backends'])}, "
                      f"plain + AFD {afd['wall_s']:.0f}s (matrix of {len(MATRIX)}: "
                      f"{TIMINGS.get('matrix', 0):.0f}s)")
+
+
+# The MoE families whose routers can run on the attention role (gate_on
+# "attention"): their checkpoints name the router in several ways (`gate`,
+# Granite's `router.layer`, ERNIE's `moe_statics` for its correction bias), all
+# of which the attention role must read.
+ROUTED = sorted(n for n, arch in MATRIX.items()
+                if SUPPORTED[arch].moe and not SUPPORTED[arch].gate_on_attention_refusal)
+
+
+@pytest.fixture(scope="module")
+def routed_matrix(models_dir, matrix, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("matrix-routed")
+    TIMINGS["routed"] = run_matrix(models_dir, out, ROUTED, "float32",
+                                   "--afd-only", "--gate-on", "attention")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ROUTED)
+def test_family_matches_plain_with_routers_on_attention(models_dir, matrix, routed_matrix,
+                                                         name, kernel_paths):
+    """AFD with gate_on "attention" (loopback) against the matrix's plain run:
+    the routing the attention role computed and sent gives plain vLLM's tokens."""
+    error = routed_matrix / f"{name}.error.txt"
+    assert not error.exists(), error.read_text()[-4000:]
+    plain = json.loads((matrix / f"{name}.plain.json").read_text())
+    afd = json.loads((routed_matrix / f"{name}.afd.json").read_text())
+    assert_same(plain, afd, LOGPROB_TOL)
+    assert afd["link_stats"]["routed_calls"] > 0, afd["link_stats"]
+    kernel_paths.add(f"{name} routers on attention: AFD {afd['wall_s']:.0f}s "
+                     f"(of {len(ROUTED)}: {TIMINGS.get('routed', 0):.0f}s)")
 
 
 # One per family group against a real FFN server, with 2 micro-batches: MoE

@@ -86,3 +86,39 @@ def test_roles_split_the_checkpoint(models_dir, model_name, gate_on):
     assert attn["remote_layers"] == sorted(layers)
     assert all(".mlp" in n for n in ffn["forward_context"])
     assert not any(".mlp" in n for n in attn["forward_context"])
+
+
+@pytest.mark.parametrize("name, router", [
+    ("model.layers.3.mlp.gate.weight", True),
+    ("model.layers.3.mlp.gate.e_score_correction_bias", True),  # DeepSeek-V3, GLM-4
+    ("model.layers.1.mlp.moe_statics.e_score_correction_bias", True),  # ERNIE 4.5
+    ("model.layers.0.block_sparse_moe.router.layer.weight", True),  # Granite
+    ("model.layers.0.block_sparse_moe.gate.weight", True),  # Mixtral, Phi-3.5-MoE
+    ("model.layers.2.mlp.shared_expert_gate.weight", False),  # Qwen2-MoE: the FFN's
+    ("model.layers.0.mlp.gate_proj.weight", False),
+    ("model.layers.0.mlp.gate_up_proj.weight", False),
+    ("model.layers.0.self_attn.q_proj.weight", False),
+])
+def test_the_router_tensors_the_attention_role_reads(name, router):
+    from vllm.afd.model import split
+
+    assert (split._GATE_NAME.search(name) is not None) == router
+
+
+def test_a_router_the_checkpoint_left_unread_is_an_error():
+    """gate_on "attention": a router whose tensors the checkpoint did not give
+    the attention role would route with uninitialized memory (vLLM's own check
+    exempts every linear): loading fails naming the layer instead."""
+    from torch import nn
+
+    from vllm.afd.model import split
+    from vllm.afd.model.remote_ffn import RemoteFFN
+
+    remote = RemoteFFN.__new__(RemoteFFN)  # no link: only the loading rule runs
+    nn.Module.__init__(remote)
+    remote.layer_idx, remote.gate = 1, nn.Linear(8, 4)  # weight and bias
+    model = nn.Sequential(remote)
+    split._check_routers_loaded(model, {1: 2})
+    with pytest.raises(ValueError, match="layer 1's router has 2 tensors but the checkpoint "
+                                         "gave the attention role 1"):
+        split._check_routers_loaded(model, {1: 1, 0: 2})

@@ -49,6 +49,10 @@ SUPPORTED: dict[str, Family] = {
     "Llama4ForCausalLM": Family(
         "Llama 4 (text)", "feed_forward", True,
         "Llama 4's router is `feed_forward.router`, applied to the input before the experts"),
+    "OlmoeForCausalLM": Family("OLMoE", "mlp", True),
+    "Ernie4_5_MoeForCausalLM": Family("ERNIE 4.5 MoE", "mlp", True),
+    "PhiMoEForCausalLM": Family("Phi-3.5-MoE", "block_sparse_moe", True),
+    "GraniteMoeForCausalLM": Family("Granite MoE", "block_sparse_moe", True),
     "LlamaForCausalLM": Family("Llama (dense)", "mlp", False),
     "Qwen3ForCausalLM": Family("Qwen3 (dense)", "mlp", False),
     "Qwen2ForCausalLM": Family("Qwen2 / Qwen2.5 (dense)", "mlp", False),

@@ -23,7 +23,8 @@ layer, keeps upstream's own checks on the model (isinstance tests on `mlp`,
 expert counts for EPLB) working on both roles.
 
 gate_on "attention" (model/routing.py): the attention role keeps each MoE
-layer's router gate (materialized, loaded from `layers.N.mlp.gate.*`) and
+layer's router gate (materialized, loaded from `layers.N.mlp.gate.*` or the
+family's other router names: _GATE_NAME; a router left unread is an error) and
 router inside its RemoteFFN; the FFN role, unchanged otherwise, routes MoE
 layers with what the attention side sent.
 """
@@ -44,8 +45,12 @@ _ATTRS = "|".join(FFN_ATTRS)
 # Checkpoint and module names of the parts the FFN role owns.
 _MLP_NAME = re.compile(rf"(^|\.)layers\.(\d+)\.({_ATTRS})(\.|$)")
 # The MoE router gate, which the attention role also owns with gate_on "attention"
-# (dense layers' gate_proj / gate_up_proj do not match).
-_GATE_NAME = re.compile(rf"(^|\.)layers\.\d+\.({_ATTRS})\.gate\.")
+# (dense layers' gate_proj / gate_up_proj do not match). Checkpoints name it
+# `gate` (its correction bias `gate.e_score_correction_bias`, or ERNIE 4.5's
+# `moe_statics.e_score_correction_bias`) or `router` (Granite's `router.layer`);
+# the families whose `router` cannot move (gpt-oss, Llama 4) refuse gate_on
+# "attention" before any weight is read.
+_GATE_NAME = re.compile(rf"(^|\.)layers\.(\d+)\.({_ATTRS})\.(gate|router|moe_statics)\.")
 
 
 class _MLPScope:
@@ -114,9 +119,36 @@ def filter_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
         return
     keep_ffn = role == "ffn"
     keep_gate = not keep_ffn and getattr(model, "afd_gate_on", "ffn") == "attention"
+    gate_tensors: dict[int, int] = {}  # layer -> router tensors read
     for name, tensor in weights:
-        if is_ffn_name(name) == keep_ffn or (keep_gate and _GATE_NAME.search(name)):
+        gate = _GATE_NAME.search(name) if keep_gate else None
+        if gate is not None:
+            layer = int(gate.group(2))
+            gate_tensors[layer] = gate_tensors.get(layer, 0) + 1
+        if is_ffn_name(name) == keep_ffn or gate is not None:
             yield name, tensor
+    if keep_gate:
+        _check_routers_loaded(model, gate_tensors)
+
+
+def _check_routers_loaded(model: nn.Module, gate_tensors: dict[int, int]) -> None:
+    """gate_on "attention": every router gate the attention role routes with
+    read its tensors. vLLM's own check exempts layers with a quant method (every
+    linear), so a router whose checkpoint names nothing matched would route with
+    uninitialized memory."""
+    from vllm.afd.model.remote_ffn import RemoteFFN
+
+    for module in model.modules():
+        gate = getattr(module, "gate", None) if isinstance(module, RemoteFFN) else None
+        if gate is None:
+            continue
+        wanted = sum(1 for _ in gate.parameters())
+        if gate_tensors.get(module.layer_idx, 0) < wanted:
+            raise ValueError(
+                f"AFD gate_on 'attention': layer {module.layer_idx}'s router has {wanted} "
+                f"tensors but the checkpoint gave the attention role "
+                f"{gate_tensors.get(module.layer_idx, 0)} (names matching {_GATE_NAME.pattern}); "
+                "this model's router cannot move to the attention role: use gate_on 'ffn'")
 
 
 class MissingForRole(nn.Module):
