@@ -117,6 +117,25 @@ SPECS = {
         num_experts_per_tok=1, interleave_moe_layer_step=2,
         attention_chunk_size=128,
     ),
+    # GLM-4.7-Flash: DeepSeek's MLA with a low-rank q (q_a/q_b), GLM-4's MoE
+    # (sigmoid grouped top-k, correction bias in the gate, a shared expert),
+    # dense layer 0.
+    "tiny-glm4-moe-lite": dict(
+        _MLA, arch="Glm4MoeLiteForCausalLM", q_lora_rank=64, n_group=1, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=1.8, num_nextn_predict_layers=0,
+    ),
+    # AFMoE (Arcee Trinity): gated attention (`self_attn.gate_proj`) with q/k
+    # norm, sliding and global layers, norms before and after the FFN, dense
+    # layer 0, sigmoid grouped top-k with the correction bias in the MoE block
+    # (`mlp.expert_bias`), the router at `mlp.router.gate`, a shared expert.
+    "tiny-afmoe": dict(
+        _GQA, arch="AfmoeForCausalLM", num_hidden_layers=3, hidden_size=128,
+        intermediate_size=256, moe_intermediate_size=64, num_dense_layers=1,
+        num_experts=8, num_experts_per_tok=2, num_shared_experts=1, score_func="sigmoid",
+        route_norm=True, route_scale=2.0, n_group=1, topk_group=1,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        sliding_window=64, global_attn_every_n_layers=3,
+    ),
     # OLMoE: q/k RMSNorm over the whole projection, top-k without
     # renormalization, every layer MoE, no shared expert.
     "tiny-olmoe": dict(
@@ -134,11 +153,12 @@ SPECS = {
     ),
     # Phi-3.5-MoE: `block_sparse_moe` (w1/w2/w3 experts) routed by
     # sparsemixer (a custom routing function), LayerNorms with a bias, q/k/v/o
-    # and lm_head with a bias (vLLM always builds them).
+    # and lm_head with a bias (as the released config; vLLM always builds them).
     "tiny-phimoe": dict(
         arch="PhiMoEForCausalLM", num_hidden_layers=2, hidden_size=128,
         num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-        num_local_experts=8, num_experts_per_tok=2,
+        num_local_experts=8, num_experts_per_tok=2, attention_bias=True,
+        lm_head_bias=True,
     ),
     # Granite MoE: fused expert tensors (`input_linear` [E, 2I, H],
     # `output_linear` [E, H, I]), `router.layer`, and Granite's multipliers
@@ -148,6 +168,17 @@ SPECS = {
         num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
         num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=12.0,
         attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0,
+    ),
+    # EXAONE MoE: dense layer 0 (mlp_layer_types), sigmoid grouped top-k with
+    # the correction bias in the MoE block (`mlp.e_score_correction_bias`), one
+    # shared expert, q/k norm, sliding layers with NoPE full-attention layers.
+    "tiny-exaone-moe": dict(
+        _GQA, arch="ExaoneMoeForCausalLM", num_hidden_layers=3, hidden_size=128,
+        intermediate_size=256, moe_intermediate_size=64, num_experts=8,
+        num_experts_per_tok=2, num_shared_experts=1, n_group=1, topk_group=1,
+        first_k_dense_replace=1, mlp_layer_types=["dense", "sparse", "sparse"],
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        sliding_window=64, routed_scaling_factor=2.5, norm_topk_prob=True,
     ),
     "tiny-llama": dict(
         _GQA, arch="LlamaForCausalLM", num_hidden_layers=2, hidden_size=128,
@@ -252,6 +283,9 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], str]]:
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = ((h,), "ones")
         out[p + "post_attention_layernorm.weight"] = ((h,), "ones")
+        if _arch(cfg) == "AfmoeForCausalLM":  # norms before and after the FFN
+            out[p + "pre_mlp_layernorm.weight"] = ((h,), "ones")
+            out[p + "post_mlp_layernorm.weight"] = ((h,), "ones")
         out.update(_attention_shapes(cfg, p + "self_attn."))
         out.update(_ffn_shapes(cfg, i, p))
     if _arch(cfg) == "PhiMoEForCausalLM":  # LayerNorm, and lm_head with a bias
@@ -271,7 +305,13 @@ def _attention_shapes(cfg: dict, a: str) -> dict:
     if "kv_lora_rank" in cfg:  # MLA (DeepSeek V2/V3)
         r, nope = cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"]
         kvr, vd = cfg["kv_lora_rank"], cfg["v_head_dim"]
-        out[a + "q_proj.weight"] = ((nh * (nope + r), h), "normal")
+        if cfg.get("q_lora_rank"):  # low-rank q (GLM-4.7-Flash, DeepSeek-V3 releases)
+            qr = cfg["q_lora_rank"]
+            out[a + "q_a_proj.weight"] = ((qr, h), "normal")
+            out[a + "q_a_layernorm.weight"] = ((qr,), "ones")
+            out[a + "q_b_proj.weight"] = ((nh * (nope + r), qr), "normal")
+        else:
+            out[a + "q_proj.weight"] = ((nh * (nope + r), h), "normal")
         out[a + "kv_a_proj_with_mqa.weight"] = ((kvr + r, h), "normal")
         out[a + "kv_a_layernorm.weight"] = ((kvr,), "ones")
         out[a + "kv_b_proj.weight"] = ((nh * (nope + vd), kvr), "normal")
@@ -297,7 +337,9 @@ def _attention_shapes(cfg: dict, a: str) -> dict:
         out[a + "q_norm.weight"] = ((nh * hd,), "ones")
         out[a + "k_norm.weight"] = ((nkv * hd,), "ones")
     # Llama 4's qk-norm has no weight.
-    if arch.startswith("Qwen3") or (
+    if arch == "AfmoeForCausalLM":  # gated attention output
+        out[a + "gate_proj.weight"] = ((nh * hd, h), "normal")
+    if arch.startswith("Qwen3") or arch in ("ExaoneMoeForCausalLM", "AfmoeForCausalLM") or (
             arch == "Glm4MoeForCausalLM" and cfg.get("use_qk_norm")):
         out[a + "q_norm.weight"] = ((hd,), "ones")
         out[a + "k_norm.weight"] = ((hd,), "ones")
@@ -353,6 +395,26 @@ def _ffn_shapes(cfg: dict, i: int, p: str) -> dict:
             out.update(_glu(m, h, cfg["intermediate_size_mlp"]))
         return out
     m = p + "mlp."
+    if arch == "AfmoeForCausalLM":
+        if i < cfg["num_dense_layers"]:
+            return _glu(m, h, cfg["intermediate_size"])
+        e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
+        out[m + "router.gate.weight"] = ((e, h), "normal")
+        out[m + "expert_bias"] = ((e,), "bias")
+        for j in range(e):
+            out.update(_glu(f"{m}experts.{j}.", h, mi))
+        out.update(_glu(m + "shared_experts.", h, mi * cfg["num_shared_experts"]))
+        return out
+    if arch == "ExaoneMoeForCausalLM":
+        if cfg["mlp_layer_types"][i] != "sparse":
+            return _glu(m, h, cfg["intermediate_size"])
+        e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
+        out[m + "gate.weight"] = ((e, h), "normal")
+        out[m + "e_score_correction_bias"] = ((e,), "bias")
+        for j in range(e):
+            out.update(_glu(f"{m}experts.{j}.", h, mi))
+        out.update(_glu(m + "shared_experts.", h, mi * cfg["num_shared_experts"]))
+        return out
     if arch == "Ernie4_5_MoeForCausalLM":
         if i < cfg["moe_layer_start_index"] or i > cfg["moe_layer_end_index"]:
             return _glu(m, h, cfg["intermediate_size"])
@@ -377,7 +439,7 @@ def _ffn_shapes(cfg: dict, i: int, p: str) -> dict:
         mi = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]  # OLMoE: none
         out[m + "gate.weight"] = ((n_exp, h), "normal")
         if (cfg.get("topk_method") == "noaux_tc"
-                or arch == "Glm4MoeForCausalLM"):
+                or arch in ("Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM")):
             out[m + "gate.e_score_correction_bias"] = ((n_exp,), "bias")
         mlps += [(f"{m}experts.{e}.", mi) for e in range(n_exp)]
         if cfg.get("n_shared_experts"):

@@ -52,6 +52,9 @@ MATRIX = {
     "tiny-ernie45-moe": "Ernie4_5_MoeForCausalLM",
     "tiny-phimoe": "PhiMoEForCausalLM",
     "tiny-granitemoe": "GraniteMoeForCausalLM",
+    "tiny-exaone-moe": "ExaoneMoeForCausalLM",
+    "tiny-glm4-moe-lite": "Glm4MoeLiteForCausalLM",
+    "tiny-afmoe": "AfmoeForCausalLM",
     "tiny-llama": "LlamaForCausalLM",
     "tiny-qwen3": "Qwen3ForCausalLM",
     "tiny-qwen2": "Qwen2ForCausalLM",
@@ -93,7 +96,7 @@ def _model_config(*archs: str):
     return SimpleNamespace(architectures=list(archs), model="/models/x")
 
 
-@pytest.mark.parametrize("arch", ["Cohere2MoeForCausalLM", *sorted(REFUSED)])
+@pytest.mark.parametrize("arch", ["HYV3ForCausalLM", *sorted(REFUSED)])
 def test_unsupported_architecture_is_refused_with_the_reason(arch):
     with pytest.raises(UnsupportedModelError) as e:
         check_model(_model_config(arch), "ffn", "attention")

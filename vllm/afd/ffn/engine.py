@@ -7,6 +7,8 @@ ffn (a patched seam); the workers have loaded only the mlp layers
 (model/split.py). This class starts their FFN loops and reports their state.
 """
 
+import time
+
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -31,9 +33,29 @@ class FFNEngine:
         self.vllm_config = vllm_config
         self.core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=False)
         self.core.collective_rpc("afd_start_ffn_loop")
+        if afd.connector == "loopback":
+            # Both roles in this process share vLLM's process-wide forward
+            # context, which the FFN's warm-up sets and restores on the loop's
+            # thread: a step of the attention engine that overlapped it would
+            # lose its context (a slow warm-up, e.g. a custom routing
+            # function's, restored None under the attention's first layer).
+            self._wait_warmed_up()
         logger.info("AFD FFN engine started: workers run the FFN loop, waiting for "
                     "attention peers on %s:%d (%s)", afd.link_config().host_of(afd.ffn_rank),
                     vllm_config.afd_config.port, vllm_config.afd_config.connector)
+
+    def _wait_warmed_up(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            statuses = self.status()
+            errors = [s["error"] for s in statuses if s.get("error")]
+            if errors:
+                raise RuntimeError(f"AFD FFN engine: {errors[0]}")
+            if all(s.get("ready") for s in statuses):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"AFD FFN engine: not warmed up after {timeout_s:.0f}s")
+            time.sleep(0.02)
 
     def status(self) -> list[dict]:
         return self.core.collective_rpc("afd_ffn_loop_status", timeout=10)

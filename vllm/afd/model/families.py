@@ -53,6 +53,15 @@ SUPPORTED: dict[str, Family] = {
     "Ernie4_5_MoeForCausalLM": Family("ERNIE 4.5 MoE", "mlp", True),
     "PhiMoEForCausalLM": Family("Phi-3.5-MoE", "block_sparse_moe", True),
     "GraniteMoeForCausalLM": Family("Granite MoE", "block_sparse_moe", True),
+    "ExaoneMoeForCausalLM": Family(
+        "EXAONE MoE", "mlp", True,
+        "its router's correction bias is a parameter of the MoE block "
+        "(`mlp.e_score_correction_bias`), not of the router gate"),
+    "Glm4MoeLiteForCausalLM": Family("GLM-4.7-Flash", "mlp", True),
+    "AfmoeForCausalLM": Family(
+        "AFMoE", "mlp", True,
+        "its router's correction bias is a parameter of the MoE block (`mlp.expert_bias`), "
+        "not of the router gate"),
     "LlamaForCausalLM": Family("Llama (dense)", "mlp", False),
     "Qwen3ForCausalLM": Family("Qwen3 (dense)", "mlp", False),
     "Qwen2ForCausalLM": Family("Qwen2 / Qwen2.5 (dense)", "mlp", False),
@@ -72,6 +81,14 @@ REFUSED: dict[str, str] = {
         "scope AFD marks"),
     "GraniteMoeSharedForCausalLM": "its decoder layer has two FFN modules (MoE and shared MLP)",
     "JambaForCausalLM": "hybrid Mamba layers: not a self_attn + mlp decoder",
+    "Step3TextForCausalLM": (
+        "its MoE layers have two FFN modules (`moe` and `share_expert`) whose outputs the "
+        "decoder layer adds"),
+    "Gemma4ForCausalLM": (
+        "its decoder layer runs its MLP and, in the MoE variants, a router and experts beside "
+        "it (two FFN modules)"),
+    "LongcatFlashForCausalLM": (
+        "its decoder layer has two MLPs (`mlps`) and a shortcut-connected MoE (`mlp`)"),
 }
 
 
