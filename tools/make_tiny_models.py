@@ -355,6 +355,15 @@ def _glu(q: str, h: int, inter: int, names=("gate_proj", "up_proj", "down_proj")
     }
 
 
+def _moe_block(m: str, h: int, e: int, mi: int, router: str, bias: tuple[str, tuple],
+               shared: int) -> dict:
+    out = {m + router: ((e, h), "normal"), m + bias[0]: (bias[1], "bias")}
+    for j in range(e):
+        out.update(_glu(f"{m}experts.{j}.", h, mi))
+    out.update(_glu(m + "shared_experts.", h, mi * shared))
+    return out
+
+
 def _ffn_shapes(cfg: dict, i: int, p: str) -> dict:
     h, arch = cfg["hidden_size"], _arch(cfg)
     out = {}
@@ -395,36 +404,27 @@ def _ffn_shapes(cfg: dict, i: int, p: str) -> dict:
             out.update(_glu(m, h, cfg["intermediate_size_mlp"]))
         return out
     m = p + "mlp."
+    # Per-expert tensors, a router, its correction bias and shared experts,
+    # under names and shapes of each family's own.
     if arch == "AfmoeForCausalLM":
         if i < cfg["num_dense_layers"]:
             return _glu(m, h, cfg["intermediate_size"])
-        e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
-        out[m + "router.gate.weight"] = ((e, h), "normal")
-        out[m + "expert_bias"] = ((e,), "bias")
-        for j in range(e):
-            out.update(_glu(f"{m}experts.{j}.", h, mi))
-        out.update(_glu(m + "shared_experts.", h, mi * cfg["num_shared_experts"]))
-        return out
+        e = cfg["num_experts"]
+        return _moe_block(m, h, e, cfg["moe_intermediate_size"], "router.gate.weight",
+                          ("expert_bias", (e,)), cfg["num_shared_experts"])
     if arch == "ExaoneMoeForCausalLM":
         if cfg["mlp_layer_types"][i] != "sparse":
             return _glu(m, h, cfg["intermediate_size"])
-        e, mi = cfg["num_experts"], cfg["moe_intermediate_size"]
-        out[m + "gate.weight"] = ((e, h), "normal")
-        out[m + "e_score_correction_bias"] = ((e,), "bias")
-        for j in range(e):
-            out.update(_glu(f"{m}experts.{j}.", h, mi))
-        out.update(_glu(m + "shared_experts.", h, mi * cfg["num_shared_experts"]))
-        return out
+        e = cfg["num_experts"]
+        return _moe_block(m, h, e, cfg["moe_intermediate_size"], "gate.weight",
+                          ("e_score_correction_bias", (e,)), cfg["num_shared_experts"])
     if arch == "Ernie4_5_MoeForCausalLM":
         if i < cfg["moe_layer_start_index"] or i > cfg["moe_layer_end_index"]:
             return _glu(m, h, cfg["intermediate_size"])
-        e, mi = cfg["moe_num_experts"], cfg["moe_intermediate_size"]
-        out[m + "gate.weight"] = ((e, h), "normal")
-        out[m + "moe_statics.e_score_correction_bias"] = ((1, e), "bias")
-        for j in range(e):
-            out.update(_glu(f"{m}experts.{j}.", h, mi))
-        out.update(_glu(m + "shared_experts.", h, mi * cfg["moe_num_shared_experts"]))
-        return out
+        e = cfg["moe_num_experts"]
+        return _moe_block(m, h, e, cfg["moe_intermediate_size"], "gate.weight",
+                          ("moe_statics.e_score_correction_bias", (1, e)),
+                          cfg["moe_num_shared_experts"])
     if "n_routed_experts" in cfg:  # DeepSeek V2/V3, GLM-4 MoE
         n_exp = cfg["n_routed_experts"]
         sparse = i >= cfg["first_k_dense_replace"]
