@@ -81,6 +81,18 @@ def kernel_paths() -> set[str]:
     return KERNEL_PATHS
 
 
+def pytest_sessionfinish(session):
+    """An xdist worker hands its lines to the controller, which prints them."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["kernel_paths"] = sorted(KERNEL_PATHS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    KERNEL_PATHS.update(getattr(node, "workeroutput", {}).get("kernel_paths", ()))
+
+
 def pytest_terminal_summary(terminalreporter):
     if KERNEL_PATHS:
         terminalreporter.section("kernel paths")
