@@ -27,6 +27,27 @@ def cpu(i: int) -> str:
 
 PORT_STRIDE = 8  # room for port + f (FFN rank f) of a deployment's FFN ranks
 _next_port: list[int] = []
+# Ports this process handed out: each held by an exclusive lock on a file of
+# its own (released by the kernel when the process ends), so processes whose
+# sequences meet (the suite's two workers and their subprocesses) never both
+# hand out one port between its check and its server's bind.
+_PORT_LOCKS = Path(os.environ.get("TMPDIR", "/tmp")) / "vllm-afd-port-locks"
+_held: list[int] = []
+
+
+def _claim(port: int) -> bool:
+    import fcntl
+
+    _PORT_LOCKS.mkdir(exist_ok=True)
+    fd = os.open(_PORT_LOCKS / str(port), os.O_CREAT | os.O_RDWR, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    os.set_inheritable(fd, False)
+    _held.append(fd)  # open for this process's life: the claim
+    return True
 
 
 def _ephemeral_low() -> int:
@@ -51,7 +72,8 @@ def free_port() -> int:
     on, race-free: taken below the kernel's ephemeral range, which port-0 binds
     and outgoing connections draw from, so nothing else is handed it between
     this check and the server's bind; never the same twice in a process (the
-    start is spread by pid across processes)."""
+    start is spread by pid across processes), nor in two live processes (a
+    lock file per port: _claim)."""
     low = 10000
     high = min(_ephemeral_low(), 32768) - PORT_STRIDE
     if not _next_port:
@@ -60,7 +82,7 @@ def free_port() -> int:
     for _ in range((high - low) // PORT_STRIDE):
         port = _next_port[0]
         _next_port[0] = port + PORT_STRIDE if port + 2 * PORT_STRIDE < high else low
-        if _bindable(port):
+        if _bindable(port) and _claim(port):
             return port
     raise RuntimeError("no free port below the ephemeral range")
 
