@@ -95,16 +95,25 @@ def main() -> None:
                               ignore_eos=True)
         start = steps["n"]
 
+        generated = threading.Event()
+
         def kill_mid_generation():
-            while steps["n"] < start + 12:  # prefill done, decoding under way
+            # Prefill done, decoding under way. A generation that ends first
+            # (its requests failed early) must not leave this waiting forever:
+            # the report then says the FFN was never killed mid-generation.
+            while steps["n"] < start + 12 and not generated.is_set():
                 time.sleep(0.005)
+            mid_generation, at = not generated.is_set(), steps["n"] - start
             ffn.kill()
-            report["killed_at_step"] = steps["n"] - start
+            report["killed_at_step"] = at if mid_generation else None
 
         killer = threading.Thread(target=kill_mid_generation)
         killer.start()
         t0 = time.monotonic()
-        report["lost"] = outcome(llm.generate(PROMPTS, long, use_tqdm=False))
+        try:
+            report["lost"] = outcome(llm.generate(PROMPTS, long, use_tqdm=False))
+        finally:
+            generated.set()
         report["lost_s"] = time.monotonic() - t0
         killer.join()
 

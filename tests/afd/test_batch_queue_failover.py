@@ -46,6 +46,7 @@ def test_batch_queue_path_survives_a_lost_ffn(models_dir, tmp_path):
     # the loss and are plain vLLM's (no token is invented, none repeated).
     long_plain = run_oracle(model, tmp_path / "plain-long.json",
                             extra=("--max-tokens", str(LONG_TOKENS)))
+    assert report["killed_at_step"] is not None, "the long generation ended before the kill"
     assert [r["finish_reason"] for r in report["lost"]] == ["error"] * len(plain["results"])
     assert report["lost_s"] < 10 + 5, report["lost_s"]
     kept = [len(r["token_ids"]) for r in report["lost"]]
