@@ -490,9 +490,14 @@ def make_models(out_dir, names=None, seed: int = 0, dtype: str = "bfloat16",
     stamp = {"generator_version": GENERATOR_VERSION, "seed": seed, "dtype": dtype}
     result, tok = {}, None
 
+    def stamp_of(name: str) -> dict:
+        # The spec too: editing a family's spec regenerates its directory.
+        spec = hashlib.sha256(json.dumps(SPECS[name], sort_keys=True).encode()).hexdigest()
+        return dict(stamp, name=name, spec=spec[:16])
+
     def fresh(d: Path) -> bool:
         st = d / STAMP
-        return st.exists() and json.loads(st.read_text()) == dict(stamp, name=d.name)
+        return st.exists() and json.loads(st.read_text()) == stamp_of(d.name)
 
     for name in names:
         d = result[name] = out_dir / name
@@ -519,7 +524,7 @@ def make_models(out_dir, names=None, seed: int = 0, dtype: str = "bfloat16",
             }
             save_file(tensors, str(tmp / "model.safetensors"),
                       metadata={"format": "pt"})
-            _write_json(tmp / STAMP, dict(stamp, name=name))
+            _write_json(tmp / STAMP, stamp_of(name))
             # mkdtemp and safetensors create owner-only modes; loosen them so
             # the checkpoint is readable from containers running as other uids.
             tmp.chmod(0o755)
