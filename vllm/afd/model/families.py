@@ -89,6 +89,9 @@ REFUSED: dict[str, str] = {
         "it (two FFN modules)"),
     "LongcatFlashForCausalLM": (
         "its decoder layer has two MLPs (`mlps`) and a shortcut-connected MoE (`mlp`)"),
+    **dict.fromkeys(("DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration"), (
+        "its first MoE layers route each token by its id (`ffn(x, input_ids)`, a hash "
+        "router), and AFD sends the FFN role hidden states only")),
 }
 
 
