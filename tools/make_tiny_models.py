@@ -180,6 +180,18 @@ SPECS = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         sliding_window=64, routed_scaling_factor=2.5, norm_topk_prob=True,
     ),
+    # HunYuan V3 (Hy3): dense layer 0, sigmoid top-k (one group) with the
+    # correction bias in the MoE block (`mlp.expert_bias`), router
+    # `mlp.router.gate`, shared expert `mlp.shared_mlp`, q/k norm. vLLM reads the
+    # released config's expert_hidden_dim / route_norm / first_k_dense_replace /
+    # qk_norm, which transformers' HYV3Config lacks: written beside its fields.
+    "tiny-hy-v3": dict(
+        _GQA, arch="HYV3ForCausalLM", num_hidden_layers=3, hidden_size=128,
+        intermediate_size=256, moe_intermediate_size=64, expert_hidden_dim=64,
+        num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+        mlp_layer_types=["dense", "sparse", "sparse"], first_k_dense_replace=1,
+        router_scaling_factor=2.5, route_norm=True, qk_norm=True,
+    ),
     "tiny-llama": dict(
         _GQA, arch="LlamaForCausalLM", num_hidden_layers=2, hidden_size=128,
         intermediate_size=256,
@@ -339,7 +351,8 @@ def _attention_shapes(cfg: dict, a: str) -> dict:
     # Llama 4's qk-norm has no weight.
     if arch == "AfmoeForCausalLM":  # gated attention output
         out[a + "gate_proj.weight"] = ((nh * hd, h), "normal")
-    if arch.startswith("Qwen3") or arch in ("ExaoneMoeForCausalLM", "AfmoeForCausalLM") or (
+    if arch.startswith("Qwen3") or arch in (
+            "ExaoneMoeForCausalLM", "AfmoeForCausalLM", "HYV3ForCausalLM") or (
             arch == "Glm4MoeForCausalLM" and cfg.get("use_qk_norm")):
         out[a + "q_norm.weight"] = ((hd,), "ones")
         out[a + "k_norm.weight"] = ((hd,), "ones")
@@ -356,11 +369,11 @@ def _glu(q: str, h: int, inter: int, names=("gate_proj", "up_proj", "down_proj")
 
 
 def _moe_block(m: str, h: int, e: int, mi: int, router: str, bias: tuple[str, tuple],
-               shared: int) -> dict:
+               shared: int, shared_name: str = "shared_experts.") -> dict:
     out = {m + router: ((e, h), "normal"), m + bias[0]: (bias[1], "bias")}
     for j in range(e):
         out.update(_glu(f"{m}experts.{j}.", h, mi))
-    out.update(_glu(m + "shared_experts.", h, mi * shared))
+    out.update(_glu(m + shared_name, h, mi * shared))
     return out
 
 
@@ -418,6 +431,12 @@ def _ffn_shapes(cfg: dict, i: int, p: str) -> dict:
         e = cfg["num_experts"]
         return _moe_block(m, h, e, cfg["moe_intermediate_size"], "gate.weight",
                           ("e_score_correction_bias", (e,)), cfg["num_shared_experts"])
+    if arch == "HYV3ForCausalLM":
+        if i < cfg["first_k_dense_replace"]:
+            return _glu(m, h, cfg["intermediate_size"])
+        e = cfg["num_experts"]
+        return _moe_block(m, h, e, cfg["expert_hidden_dim"], "router.gate.weight",
+                          ("expert_bias", (e,)), cfg["num_shared_experts"], "shared_mlp.")
     if arch == "Ernie4_5_MoeForCausalLM":
         if i < cfg["moe_layer_start_index"] or i > cfg["moe_layer_end_index"]:
             return _glu(m, h, cfg["intermediate_size"])

@@ -55,6 +55,7 @@ MATRIX = {
     "tiny-exaone-moe": "ExaoneMoeForCausalLM",
     "tiny-glm4-moe-lite": "Glm4MoeLiteForCausalLM",
     "tiny-afmoe": "AfmoeForCausalLM",
+    "tiny-hy-v3": "HYV3ForCausalLM",
     "tiny-llama": "LlamaForCausalLM",
     "tiny-qwen3": "Qwen3ForCausalLM",
     "tiny-qwen2": "Qwen2ForCausalLM",
@@ -96,7 +97,7 @@ def _model_config(*archs: str):
     return SimpleNamespace(architectures=list(archs), model="/models/x")
 
 
-@pytest.mark.parametrize("arch", ["HYV3ForCausalLM", *sorted(REFUSED)])
+@pytest.mark.parametrize("arch", ["MiMoV2FlashForCausalLM", *sorted(REFUSED)])
 def test_unsupported_architecture_is_refused_with_the_reason(arch):
     with pytest.raises(UnsupportedModelError) as e:
         check_model(_model_config(arch), "ffn", "attention")

@@ -30,6 +30,7 @@ FAMILIES = {
     "tiny-exaone-moe": ("ExaoneMoeConfig", "exaone_moe", "mlp"),
     "tiny-glm4-moe-lite": ("Glm4MoeLiteConfig", "glm4_moe_lite", "mlp"),
     "tiny-afmoe": ("AfmoeConfig", "afmoe", "mlp"),
+    "tiny-hy-v3": ("HYV3Config", "hy_v3", "mlp"),
     "tiny-llama": ("LlamaConfig", "llama", "mlp"),
     "tiny-qwen3": ("Qwen3Config", "qwen3", "mlp"),
     "tiny-qwen2": ("Qwen2Config", "qwen2", "mlp"),

@@ -62,6 +62,10 @@ SUPPORTED: dict[str, Family] = {
         "AFMoE", "mlp", True,
         "its router's correction bias is a parameter of the MoE block (`mlp.expert_bias`), "
         "not of the router gate"),
+    "HYV3ForCausalLM": Family(
+        "HunYuan V3", "mlp", True,
+        "its router's correction bias is a parameter of the MoE block (`mlp.expert_bias`), "
+        "not of the router gate"),
     "LlamaForCausalLM": Family("Llama (dense)", "mlp", False),
     "Qwen3ForCausalLM": Family("Qwen3 (dense)", "mlp", False),
     "Qwen2ForCausalLM": Family("Qwen2 / Qwen2.5 (dense)", "mlp", False),
