@@ -94,6 +94,10 @@ def test_roles_split_the_checkpoint(models_dir, model_name, gate_on):
     ("model.layers.1.mlp.moe_statics.e_score_correction_bias", True),  # ERNIE 4.5
     ("model.layers.0.block_sparse_moe.router.layer.weight", True),  # Granite
     ("model.layers.0.block_sparse_moe.gate.weight", True),  # Mixtral, Phi-3.5-MoE
+    ("model.layers.1.mlp.router.gate.weight", True),  # AFMoE, HunYuan V3
+    ("model.layers.1.mlp.expert_bias", True),  # AFMoE, HunYuan V3: the block's own
+    ("model.layers.1.mlp.e_score_correction_bias", True),  # EXAONE: the block's own
+    ("model.layers.1.mlp.experts.0.expert_bias_scale", False),
     ("model.layers.2.mlp.shared_expert_gate.weight", False),  # Qwen2-MoE: the FFN's
     ("model.layers.0.mlp.gate_proj.weight", False),
     ("model.layers.0.mlp.gate_up_proj.weight", False),
@@ -109,6 +113,7 @@ def test_a_router_the_checkpoint_left_unread_is_an_error():
     """gate_on "attention": a router whose tensors the checkpoint did not give
     the attention role would route with uninitialized memory (vLLM's own check
     exempts every linear): loading fails naming the layer instead."""
+    import torch
     from torch import nn
 
     from vllm.afd.model import split
@@ -122,3 +127,8 @@ def test_a_router_the_checkpoint_left_unread_is_an_error():
     with pytest.raises(ValueError, match="layer 1's router has 2 tensors but the checkpoint "
                                          "gave the attention role 1"):
         split._check_routers_loaded(model, {1: 1, 0: 2})
+    # A correction bias of the MoE block's own (AFMoE's `mlp.expert_bias`) counts too.
+    remote.register_parameter("expert_bias", nn.Parameter(torch.zeros(4)))
+    with pytest.raises(ValueError, match="layer 1's router has 3 tensors"):
+        split._check_routers_loaded(model, {1: 2})
+    split._check_routers_loaded(model, {1: 3})

@@ -53,19 +53,10 @@ SUPPORTED: dict[str, Family] = {
     "Ernie4_5_MoeForCausalLM": Family("ERNIE 4.5 MoE", "mlp", True),
     "PhiMoEForCausalLM": Family("Phi-3.5-MoE", "block_sparse_moe", True),
     "GraniteMoeForCausalLM": Family("Granite MoE", "block_sparse_moe", True),
-    "ExaoneMoeForCausalLM": Family(
-        "EXAONE MoE", "mlp", True,
-        "its router's correction bias is a parameter of the MoE block "
-        "(`mlp.e_score_correction_bias`), not of the router gate"),
+    "ExaoneMoeForCausalLM": Family("EXAONE MoE", "mlp", True),
     "Glm4MoeLiteForCausalLM": Family("GLM-4.7-Flash", "mlp", True),
-    "AfmoeForCausalLM": Family(
-        "AFMoE", "mlp", True,
-        "its router's correction bias is a parameter of the MoE block (`mlp.expert_bias`), "
-        "not of the router gate"),
-    "HYV3ForCausalLM": Family(
-        "HunYuan V3", "mlp", True,
-        "its router's correction bias is a parameter of the MoE block (`mlp.expert_bias`), "
-        "not of the router gate"),
+    "AfmoeForCausalLM": Family("AFMoE", "mlp", True),
+    "HYV3ForCausalLM": Family("HunYuan V3", "mlp", True),
     "LlamaForCausalLM": Family("Llama (dense)", "mlp", False),
     "Qwen3ForCausalLM": Family("Qwen3 (dense)", "mlp", False),
     "Qwen2ForCausalLM": Family("Qwen2 / Qwen2.5 (dense)", "mlp", False),

@@ -27,7 +27,8 @@ choice is made once, from the config: torch.compiler.is_compiling() would cost
 ~10 us per call on a CPU host's cold cache, more than it saves there.
 
 With gate_on "attention" a MoE layer's RemoteFFN also owns the layer's router
-gate (submodule `gate`, loaded from the checkpoint's `mlp.gate.*`) and routes
+gate (submodule `gate`, loaded from the checkpoint's `mlp.gate.*`), and a
+correction bias that is the MoE block's own parameter under its name, and routes
 inside the op (model/routing.py): kept out of torch.compile's graph, the gate
 and top-k run eagerly, as they would on the FFN role.
 """
@@ -48,10 +49,13 @@ _routed: dict[int, "RemoteFFN"] = {}
 
 class RemoteFFN(nn.Module):
     def __init__(self, layer_idx: int, vllm_config, gate: nn.Module | None = None,
-                 router=None):
+                 router=None, block_params: dict[str, nn.Parameter] | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.router = router  # model/routing.py LayerRouter, or None: no routing sent
+        # Under the mlp's names, so the checkpoint's `mlp.<name>` loads into them.
+        for name, param in (block_params or {}).items():
+            self.register_parameter(name, param)
         if gate is not None:
             self.gate = gate
             _routed[layer_idx] = self

@@ -11,8 +11,10 @@ correction bias, ...). With gate_on "attention" both pieces move:
 - attention role: each MoE layer's RemoteFFN owns the layer's gate, built on
   the meta device with the rest of the mlp and then materialized here (the
   checkpoint's `layers.N.mlp.gate.*` loads into it), and keeps the layer's
-  router object. LayerRouter runs them exactly as the runner would and the
-  routing travels with the hidden states (wire.Routing).
+  router object; a correction bias the router reads from the mlp itself
+  (EXAONE's, AFMoE's, HunYuan V3's) is materialized and owned the same way.
+  LayerRouter runs them exactly as the runner would and the routing travels
+  with the hidden states (wire.Routing).
 - FFN role: each runner's router is wrapped in ReceivedRouter, whose
   select_experts returns the routing received for the current mlp call (set
   by call_with_routing, thread-local), and its gate in SkippedGate, so the
@@ -65,9 +67,13 @@ class LayerRouter:
                             ids.to(wire.ROUTING_ID_DTYPE).contiguous())
 
 
-def take_router(mlp: nn.Module, device: torch.device | str) -> tuple[nn.Module, LayerRouter]:
+def take_router(mlp: nn.Module, device: torch.device | str
+                ) -> tuple[nn.Module, LayerRouter, dict[str, nn.Parameter]]:
     """From a (meta-built) MoE mlp: its gate, materialized on device (its
-    values come from the checkpoint later), and a LayerRouter using it."""
+    values come from the checkpoint later), a LayerRouter using it, and the
+    router's tensors that are the mlp's own parameters (EXAONE's
+    `mlp.e_score_correction_bias`, AFMoE's and HunYuan V3's `mlp.expert_bias`),
+    materialized too, by their names in the mlp."""
     runners = moe_runners(mlp)
     if len(runners) != 1:
         raise ValueError(f"AFD gate_on 'attention': expected one FusedMoE layer in "
@@ -81,16 +87,23 @@ def take_router(mlp: nn.Module, device: torch.device | str) -> tuple[nn.Module, 
     _reject_unsupported(runner.router)
     replaced = _materialize(gate, torch.device(device))
     router = runner.router
-    # The router may hold the gate's tensors (the correction bias): point it at
-    # the materialized ones; anything else still on meta cannot work.
+    # The router may hold the gate's tensors or the mlp's own (the correction
+    # bias): point it at materialized ones; anything else on meta cannot work.
+    own = {id(p): name for name, p in mlp.named_parameters(recurse=False)}
+    block_params: dict[str, nn.Parameter] = {}
     for name, value in list(vars(router).items()):
-        if isinstance(value, torch.Tensor):
-            if id(value) in replaced:
-                setattr(router, name, replaced[id(value)])
-            elif value.device.type == "meta":
-                raise ValueError(f"AFD gate_on 'attention': {type(router).__name__}.{name} "
-                                 f"lives on the meta device and is not part of the gate")
-    return gate, LayerRouter(gate, router, routing_topk(runner))
+        if not isinstance(value, torch.Tensor):
+            continue
+        if id(value) in own and value.device.type == "meta":
+            block_params[own[id(value)]] = replaced[id(value)] = _materialized(
+                value, torch.device(device))
+        if id(value) in replaced:
+            setattr(router, name, replaced[id(value)])
+        elif value.device.type == "meta":
+            raise ValueError(f"AFD gate_on 'attention': {type(router).__name__}.{name} "
+                             f"lives on the meta device and is neither the gate's nor "
+                             f"{type(mlp).__name__}'s own parameter")
+    return gate, LayerRouter(gate, router, routing_topk(runner)), block_params
 
 
 def _materialize(module: nn.Module, device: torch.device) -> dict[int, torch.Tensor]:
@@ -101,15 +114,19 @@ def _materialize(module: nn.Module, device: torch.device) -> dict[int, torch.Ten
         for name, p in list(mod._parameters.items()):
             if p is None or p.device.type != "meta":
                 continue
-            new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                               requires_grad=p.requires_grad)
-            new.__dict__.update(p.__dict__)
-            mod._parameters[name] = replaced[id(p)] = new
+            mod._parameters[name] = replaced[id(p)] = _materialized(p, device)
         for name, b in list(mod._buffers.items()):
             if b is not None and b.device.type == "meta":
                 mod._buffers[name] = replaced[id(b)] = torch.empty(b.shape, dtype=b.dtype,
                                                                    device=device)
     return replaced
+
+
+def _materialized(p: nn.Parameter, device: torch.device) -> nn.Parameter:
+    new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                       requires_grad=p.requires_grad)
+    new.__dict__.update(p.__dict__)  # weight_loader and the like
+    return new
 
 
 def _reject_unsupported(router) -> None:

@@ -47,10 +47,13 @@ _MLP_NAME = re.compile(rf"(^|\.)layers\.(\d+)\.({_ATTRS})(\.|$)")
 # The MoE router gate, which the attention role also owns with gate_on "attention"
 # (dense layers' gate_proj / gate_up_proj do not match). Checkpoints name it
 # `gate` (its correction bias `gate.e_score_correction_bias`, or ERNIE 4.5's
-# `moe_statics.e_score_correction_bias`) or `router` (Granite's `router.layer`);
-# the families whose `router` cannot move (gpt-oss, Llama 4) refuse gate_on
+# `moe_statics.e_score_correction_bias`) or `router` (Granite's `router.layer`,
+# AFMoE's and HunYuan V3's `router.gate`); a correction bias of the MoE block's
+# own is `expert_bias` (AFMoE, HunYuan V3) or `e_score_correction_bias` (EXAONE).
+# The families whose `router` cannot move (gpt-oss, Llama 4) refuse gate_on
 # "attention" before any weight is read.
-_GATE_NAME = re.compile(rf"(^|\.)layers\.(\d+)\.({_ATTRS})\.(gate|router|moe_statics)\.")
+_GATE_NAME = re.compile(rf"(^|\.)layers\.(\d+)\.({_ATTRS})\.((gate|router|moe_statics)\."
+                        rf"|(expert_bias|e_score_correction_bias)$)")
 
 
 class _MLPScope:
@@ -142,7 +145,7 @@ def _check_routers_loaded(model: nn.Module, gate_tensors: dict[int, int]) -> Non
         gate = getattr(module, "gate", None) if isinstance(module, RemoteFFN) else None
         if gate is None:
             continue
-        wanted = sum(1 for _ in gate.parameters())
+        wanted = sum(1 for _ in module.parameters())  # the gate's and the block's own
         if gate_tensors.get(module.layer_idx, 0) < wanted:
             raise ValueError(
                 f"AFD gate_on 'attention': layer {module.layer_idx}'s router has {wanted} "
@@ -208,10 +211,12 @@ def _swap_in_remote_ffn(model: nn.Module, vllm_config) -> None:
         if _is_ffn_module(name):
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name)
-            gate = router = None
+            gate = router = block_params = None
             if gate_on_attention and routing.moe_runners(module):
-                gate, router = routing.take_router(module, vllm_config.device_config.device)
-            setattr(parent, attr, RemoteFFN(_layer_index(name), vllm_config, gate, router))
+                gate, router, block_params = routing.take_router(
+                    module, vllm_config.device_config.device)
+            setattr(parent, attr, RemoteFFN(_layer_index(name), vllm_config, gate, router,
+                                            block_params))
             swapped.append(name)
     if not swapped:
         raise ValueError(
