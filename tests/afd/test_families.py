@@ -12,9 +12,8 @@ group (MoE, dense) also runs against a real `vllm serve --afd-role ffn`
 process over shm (test_served_family_matches_plain). Qwen3-MoE and DeepSeek are
 test_oracle.py's.
 
-And what is refused: an architecture AFD does not split, gate_on "attention"
-where the router cannot move, speculative decoding, each at config time
-naming the model and the reason; and the patch marks the FFN construction of
+And what is refused: an architecture AFD does not split, speculative
+decoding, each at config time naming the model and the reason; and the patch marks the FFN construction of
 every family families.py lists (a family without its marks would run its
 FFN on both roles).
 """
@@ -100,7 +99,7 @@ def _model_config(*archs: str):
 @pytest.mark.parametrize("arch", ["MiMoV2FlashForCausalLM", *sorted(REFUSED)])
 def test_unsupported_architecture_is_refused_with_the_reason(arch):
     with pytest.raises(UnsupportedModelError) as e:
-        check_model(_model_config(arch), "ffn", "attention")
+        check_model(_model_config(arch), "attention")
     text = str(e.value)
     assert "'/models/x'" in text and arch in text and "cannot be split" in text
     assert (REFUSED[arch] if arch in REFUSED else "do not mark their FFN construction") in text
@@ -111,20 +110,12 @@ def test_transformers_backend_is_refused():
     config = SimpleNamespace(architectures=["LlamaForCausalLM"], model="/models/x",
                              model_impl="transformers")
     with pytest.raises(UnsupportedModelError, match="--model-impl transformers"):
-        check_model(config, "ffn", "ffn")
+        check_model(config, "ffn")
 
 
-def test_supported_family_passes_and_dense_ignores_gate_on():
-    assert check_model(_model_config("MixtralForCausalLM"), "attention", "ffn").moe
-    assert not check_model(_model_config("LlamaForCausalLM"), "attention", "ffn").moe
-
-
-@pytest.mark.parametrize("arch", [a for a, f in sorted(SUPPORTED.items())
-                                  if f.gate_on_attention_refusal])
-def test_gate_on_attention_refused_where_the_router_cannot_move(arch):
-    with pytest.raises(UnsupportedModelError, match="gate_on='attention' is not supported"):
-        check_model(_model_config(arch), "attention", "attention")
-    check_model(_model_config(arch), "ffn", "attention")
+def test_supported_family_passes():
+    assert check_model(_model_config("MixtralForCausalLM"), "ffn").moe
+    assert not check_model(_model_config("LlamaForCausalLM"), "attention").moe
 
 
 def _engine_config(models_dir: Path, name: str, *argv: str):
@@ -138,15 +129,17 @@ def _engine_config(models_dir: Path, name: str, *argv: str):
 
 
 def test_refusals_come_from_the_real_config(models_dir):
-    """Through EngineArgs, as `vllm serve` builds it: gate_on attention on
-    gpt-oss, and speculative decoding, fail naming the model / option; the
-    same model without AFD, or with gate_on ffn, builds."""
+    """Through EngineArgs, as `vllm serve` builds it: a refused architecture,
+    and speculative decoding, fail naming the model / option; the same model
+    without AFD builds."""
     # pydantic wraps the error in a ValidationError (a ValueError) with its text.
-    with pytest.raises(ValueError, match=r"tiny-gpt-oss.*GptOssForCausalLM.*gate_on='attention' "
-                                         r"is not supported for gpt-oss"):
-        _engine_config(models_dir, "tiny-gpt-oss", "--afd-role", "attention",
-                       "--afd-config", '{"gate_on": "attention"}')
-    assert _engine_config(models_dir, "tiny-gpt-oss", "--afd-role", "ffn").afd_config.is_ffn
+    step3 = ["--hf-overrides", '{"architectures": ["Step3TextForCausalLM"]}']
+    with pytest.raises(ValueError, match=r"tiny-llama.*Step3TextForCausalLM.*cannot be split"
+                                         r".*two FFN modules"):
+        _engine_config(models_dir, "tiny-llama", "--afd-role", "ffn", *step3)
+    assert _engine_config(models_dir, "tiny-llama", *step3).afd_config is None
+    assert _engine_config(models_dir, "tiny-gpt-oss", "--afd-role", "attention", "--afd-config",
+                          '{"gate_on": "attention"}').afd_config.gate_on == "attention"
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 2,
                        "prompt_lookup_max": 2})
     with pytest.raises(ValueError, match="speculative decoding .* cannot be combined with AFD"):
@@ -218,12 +211,13 @@ def test_family_matches_plain(models_dir, matrix, name, kernel_paths):
                      f"{TIMINGS.get('matrix', 0):.0f}s)")
 
 
-# The MoE families whose routers can run on the attention role (gate_on
-# "attention"): their checkpoints name the router in several ways (`gate`,
-# Granite's `router.layer`, ERNIE's `moe_statics` for its correction bias), all
-# of which the attention role must read.
-ROUTED = sorted(n for n, arch in MATRIX.items()
-                if SUPPORTED[arch].moe and not SUPPORTED[arch].gate_on_attention_refusal)
+# Every MoE family with its routers on the attention role (gate_on "attention"):
+# checkpoints name the router in several ways (`gate`, `router` in gpt-oss and
+# Llama 4, Granite's `router.layer`, `router.gate` in AFMoE and HunYuan V3) and
+# keep a correction bias in the gate, in ERNIE's `moe_statics` or in the MoE
+# block itself (EXAONE, AFMoE, HunYuan V3), all of which the attention role must
+# read and route with.
+ROUTED = sorted(n for n, arch in MATRIX.items() if SUPPORTED[arch].moe)
 
 
 @pytest.fixture(scope="module")

@@ -122,6 +122,7 @@ def test_a_router_the_checkpoint_left_unread_is_an_error():
     remote = RemoteFFN.__new__(RemoteFFN)  # no link: only the loading rule runs
     nn.Module.__init__(remote)
     remote.layer_idx, remote.gate = 1, nn.Linear(8, 4)  # weight and bias
+    remote.layer_router = object()  # it routes
     model = nn.Sequential(remote)
     split._check_routers_loaded(model, {1: 2})
     with pytest.raises(ValueError, match="layer 1's router has 2 tensors but the checkpoint "

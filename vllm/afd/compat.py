@@ -13,8 +13,7 @@ work with AFD:
   with a connector that cannot be captured: an exchange cannot run inside a
   graph (none of the shipped connectors can).
 - a connector whose payloads stay on the device (nccl) on another device type.
-- a model whose architecture AFD does not split (model/families.py), or
-  gate_on "attention" for a family whose router cannot move.
+- a model whose architecture AFD does not split (model/families.py).
 - speculative decoding: draft layers are built with the same decoder layers,
   whose FFN construction AFD marks, and would be split too.
 - tensor or pipeline parallelism on the attention role: its ranks are its
@@ -50,7 +49,7 @@ def check_vllm_config(vllm_config) -> None:
     if vllm_config.model_config is not None:
         from vllm.afd.model.families import check_model
 
-        check_model(vllm_config.model_config, afd.gate_on, afd.role)
+        check_model(vllm_config.model_config, afd.role)
     if vllm_config.speculative_config is not None:
         raise AFDConfigError(
             f"speculative decoding (--speculative-config) cannot be combined with AFD "

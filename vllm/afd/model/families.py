@@ -29,11 +29,9 @@ FFN_ATTRS = ("mlp", "block_sparse_moe", "feed_forward")
 class Family:
     name: str  # for people: the README table and errors
     ffn_attr: str
+    # Dense families have no router: gate_on has nothing to move there. Every MoE
+    # family's router can run on the attention role (model/routing.py).
     moe: bool
-    # Dense families have no router: gate_on has nothing to move there.
-    # gate_on "attention" needs the router linear at `<ffn_attr>.gate` and vLLM's
-    # FusedMoE router object (model/routing.py); None: supported, else why not.
-    gate_on_attention_refusal: str | None = None
 
 
 SUPPORTED: dict[str, Family] = {
@@ -43,12 +41,8 @@ SUPPORTED: dict[str, Family] = {
     "MixtralForCausalLM": Family("Mixtral", "block_sparse_moe", True),
     "Qwen2MoeForCausalLM": Family("Qwen2-MoE", "mlp", True),
     "Glm4MoeForCausalLM": Family("GLM-4.5/4.6 MoE", "mlp", True),
-    "GptOssForCausalLM": Family(
-        "gpt-oss", "mlp", True,
-        "gpt-oss's router is `mlp.router` with a bias, computed inside its MLPBlock"),
-    "Llama4ForCausalLM": Family(
-        "Llama 4 (text)", "feed_forward", True,
-        "Llama 4's router is `feed_forward.router`, applied to the input before the experts"),
+    "GptOssForCausalLM": Family("gpt-oss", "mlp", True),
+    "Llama4ForCausalLM": Family("Llama 4 (text)", "feed_forward", True),
     "OlmoeForCausalLM": Family("OLMoE", "mlp", True),
     "Ernie4_5_MoeForCausalLM": Family("ERNIE 4.5 MoE", "mlp", True),
     "PhiMoEForCausalLM": Family("Phi-3.5-MoE", "block_sparse_moe", True),
@@ -101,7 +95,7 @@ def family_of(architectures) -> Family | None:
     return None
 
 
-def check_model(model_config, gate_on: str, role: str) -> Family:
+def check_model(model_config, role: str) -> Family:
     """The Family of model_config's architecture, or UnsupportedModelError."""
     archs = list(getattr(model_config, "architectures", None) or [])
     model = getattr(model_config, "model", "?")
@@ -121,8 +115,4 @@ def check_model(model_config, gate_on: str, role: str) -> Family:
         raise UnsupportedModelError(
             f"{where} cannot be split with --model-impl {impl}: AFD marks the FFN "
             f"construction of vLLM's own model classes only. Use --model-impl vllm (or auto).")
-    if gate_on == "attention" and family.gate_on_attention_refusal:
-        raise UnsupportedModelError(
-            f"{where}: AFDConfig.gate_on='attention' is not supported for {family.name}: "
-            f"{family.gate_on_attention_refusal}. Use gate_on 'ffn' (the default).")
     return family

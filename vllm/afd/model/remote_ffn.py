@@ -27,8 +27,9 @@ choice is made once, from the config: torch.compiler.is_compiling() would cost
 ~10 us per call on a CPU host's cold cache, more than it saves there.
 
 With gate_on "attention" a MoE layer's RemoteFFN also owns the layer's router
-gate (submodule `gate`, loaded from the checkpoint's `mlp.gate.*`), and a
-correction bias that is the MoE block's own parameter under its name, and routes
+linear (submodule `gate`, or gpt-oss's and Llama 4's `router`, loaded from the
+checkpoint's `mlp.gate.*` / `mlp.router.*`), and a correction bias that is the
+MoE block's own parameter under its name, and routes
 inside the op (model/routing.py): kept out of torch.compile's graph, the gate
 and top-k run eagerly, as they would on the FFN role.
 """
@@ -48,21 +49,25 @@ _routed: dict[int, "RemoteFFN"] = {}
 
 
 class RemoteFFN(nn.Module):
-    def __init__(self, layer_idx: int, vllm_config, gate: nn.Module | None = None,
-                 router=None, block_params: dict[str, nn.Parameter] | None = None):
+    def __init__(self, layer_idx: int, vllm_config, layer_router=None,
+                 owned: dict[str, nn.Module | nn.Parameter] | None = None):
         super().__init__()
         self.layer_idx = layer_idx
-        self.router = router  # model/routing.py LayerRouter, or None: no routing sent
-        # Under the mlp's names, so the checkpoint's `mlp.<name>` loads into them.
-        for name, param in (block_params or {}).items():
-            self.register_parameter(name, param)
-        if gate is not None:
-            self.gate = gate
+        # model/routing.py LayerRouter, or None: no routing sent
+        self.layer_router = layer_router
+        # What it routes with, under the mlp's names, so the checkpoint's
+        # `mlp.<name>` tensors load into them.
+        for name, part in (owned or {}).items():
+            if isinstance(part, nn.Parameter):
+                self.register_parameter(name, part)
+            else:
+                self.add_module(name, part)
+        if layer_router is not None:
             _routed[layer_idx] = self
         else:
             _routed.pop(layer_idx, None)
         get_or_create_link(vllm_config).add_layer(
-            layer_idx, routing_topk=router.topk if router is not None else 0)
+            layer_idx, routing_topk=layer_router.topk if layer_router is not None else 0)
         # Never traced: the op's function without the dispatcher. Without a
         # config (a link installed by hand: benchmarks/layer_call.py) eager too.
         self.eager = vllm_config is None or (
@@ -87,7 +92,8 @@ class RemoteFFN(nn.Module):
         return output
 
     def extra_repr(self) -> str:
-        routed = f", routing_topk={self.router.topk}" if self.router is not None else ""
+        routed = (f", routing_topk={self.layer_router.topk}"
+                  if self.layer_router is not None else "")
         return f"layer_idx={self.layer_idx}{routed}"
 
 
@@ -99,7 +105,7 @@ def _exchange(hidden_states: torch.Tensor, output: torch.Tensor | None,
     link = get_link()
     routing = None
     if remote is not None and link.plan is not None and link.plan.is_real:
-        routing = remote.router(hidden_states)
+        routing = remote.layer_router(hidden_states)
     # Not made contiguous here: exchange's fast path checks that itself, and
     # its general path makes it so (one tensor method less on a cold cache).
     return link.exchange(layer_idx, hidden_states, output, routing)

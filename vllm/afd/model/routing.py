@@ -60,7 +60,9 @@ class LayerRouter:
         self.gate, self.router, self.topk = gate, router, topk
 
     def __call__(self, hidden_states: torch.Tensor) -> wire.Routing:
-        router_logits, _ = self.gate(hidden_states)
+        router_logits = self.gate(hidden_states)
+        if isinstance(router_logits, tuple):  # a vLLM linear's (output, bias)
+            router_logits = router_logits[0]
         weights, ids = self.router.select_experts(hidden_states=hidden_states,
                                                   router_logits=router_logits)
         return wire.Routing(weights.to(wire.ROUTING_WEIGHT_DTYPE).contiguous(),
@@ -68,22 +70,24 @@ class LayerRouter:
 
 
 def take_router(mlp: nn.Module, device: torch.device | str
-                ) -> tuple[nn.Module, LayerRouter, dict[str, nn.Parameter]]:
-    """From a (meta-built) MoE mlp: its gate, materialized on device (its
-    values come from the checkpoint later), a LayerRouter using it, and the
-    router's tensors that are the mlp's own parameters (EXAONE's
-    `mlp.e_score_correction_bias`, AFMoE's and HunYuan V3's `mlp.expert_bias`),
-    materialized too, by their names in the mlp."""
+                ) -> tuple[LayerRouter, dict[str, nn.Module | nn.Parameter]]:
+    """From a (meta-built) MoE mlp: a LayerRouter, and what it routes with that
+    the checkpoint fills, by its names in the mlp: the router linear (`gate`, or
+    gpt-oss's and Llama 4's `router`) and the router's tensors that are the
+    mlp's own parameters (EXAONE's `e_score_correction_bias`, AFMoE's and
+    HunYuan V3's `expert_bias`), materialized on device (their values come
+    from the checkpoint later). RemoteFFN owns them under those names."""
     runners = moe_runners(mlp)
     if len(runners) != 1:
         raise ValueError(f"AFD gate_on 'attention': expected one FusedMoE layer in "
                          f"{type(mlp).__name__}, found {len(runners)}")
     runner = runners[0]
-    gate = runner.gate if runner.gate is not None else getattr(mlp, "gate", None)
-    if gate is None or getattr(mlp, "gate", None) is not gate:
-        # RemoteFFN owns the gate as `gate` so the checkpoint's mlp.gate.* load into it.
+    # The runner's gate, or the linear the mlp calls itself before its experts.
+    gate = runner.gate or getattr(mlp, "gate", None) or getattr(mlp, "router", None)
+    gate_name = next((n for n, m in mlp.named_children() if m is gate), None)
+    if gate_name is None:
         raise ValueError(f"AFD gate_on 'attention': {type(mlp).__name__} has no router "
-                         f"gate at `mlp.gate`; use gate_on 'ffn' for this model")
+                         f"linear (`gate` or `router`); use gate_on 'ffn' for this model")
     _reject_unsupported(runner.router)
     replaced = _materialize(gate, torch.device(device))
     router = runner.router
@@ -103,7 +107,7 @@ def take_router(mlp: nn.Module, device: torch.device | str
             raise ValueError(f"AFD gate_on 'attention': {type(router).__name__}.{name} "
                              f"lives on the meta device and is neither the gate's nor "
                              f"{type(mlp).__name__}'s own parameter")
-    return gate, LayerRouter(gate, router, routing_topk(runner)), block_params
+    return LayerRouter(gate, router, routing_topk(runner)), {gate_name: gate, **block_params}
 
 
 def _materialize(module: nn.Module, device: torch.device) -> dict[int, torch.Tensor]:

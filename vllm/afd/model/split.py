@@ -44,14 +44,13 @@ logger = init_logger(__name__)
 _ATTRS = "|".join(FFN_ATTRS)
 # Checkpoint and module names of the parts the FFN role owns.
 _MLP_NAME = re.compile(rf"(^|\.)layers\.(\d+)\.({_ATTRS})(\.|$)")
-# The MoE router gate, which the attention role also owns with gate_on "attention"
-# (dense layers' gate_proj / gate_up_proj do not match). Checkpoints name it
-# `gate` (its correction bias `gate.e_score_correction_bias`, or ERNIE 4.5's
-# `moe_statics.e_score_correction_bias`) or `router` (Granite's `router.layer`,
-# AFMoE's and HunYuan V3's `router.gate`); a correction bias of the MoE block's
-# own is `expert_bias` (AFMoE, HunYuan V3) or `e_score_correction_bias` (EXAONE).
-# The families whose `router` cannot move (gpt-oss, Llama 4) refuse gate_on
-# "attention" before any weight is read.
+# The MoE router linear, which the attention role also owns with gate_on
+# "attention" (dense layers' gate_proj / gate_up_proj do not match). Checkpoints
+# name it `gate` (its correction bias `gate.e_score_correction_bias`, or ERNIE
+# 4.5's `moe_statics.e_score_correction_bias`) or `router` (gpt-oss's and Llama
+# 4's, with gpt-oss's bias; Granite's `router.layer`; AFMoE's and HunYuan V3's
+# `router.gate`); a correction bias of the MoE block's own is `expert_bias`
+# (AFMoE, HunYuan V3) or `e_score_correction_bias` (EXAONE).
 _GATE_NAME = re.compile(rf"(^|\.)layers\.(\d+)\.({_ATTRS})\.((gate|router|moe_statics)\."
                         rf"|(expert_bias|e_score_correction_bias)$)")
 
@@ -142,10 +141,9 @@ def _check_routers_loaded(model: nn.Module, gate_tensors: dict[int, int]) -> Non
     from vllm.afd.model.remote_ffn import RemoteFFN
 
     for module in model.modules():
-        gate = getattr(module, "gate", None) if isinstance(module, RemoteFFN) else None
-        if gate is None:
+        if not isinstance(module, RemoteFFN) or module.layer_router is None:
             continue
-        wanted = sum(1 for _ in module.parameters())  # the gate's and the block's own
+        wanted = sum(1 for _ in module.parameters())  # the router linear's, the block's own
         if gate_tensors.get(module.layer_idx, 0) < wanted:
             raise ValueError(
                 f"AFD gate_on 'attention': layer {module.layer_idx}'s router has {wanted} "
@@ -211,12 +209,10 @@ def _swap_in_remote_ffn(model: nn.Module, vllm_config) -> None:
         if _is_ffn_module(name):
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name)
-            gate = router = block_params = None
+            router = owned = None
             if gate_on_attention and routing.moe_runners(module):
-                gate, router, block_params = routing.take_router(
-                    module, vllm_config.device_config.device)
-            setattr(parent, attr, RemoteFFN(_layer_index(name), vllm_config, gate, router,
-                                            block_params))
+                router, owned = routing.take_router(module, vllm_config.device_config.device)
+            setattr(parent, attr, RemoteFFN(_layer_index(name), vllm_config, router, owned))
             swapped.append(name)
     if not swapped:
         raise ValueError(
