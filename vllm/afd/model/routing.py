@@ -83,7 +83,8 @@ def take_router(mlp: nn.Module, device: torch.device | str
                          f"{type(mlp).__name__}, found {len(runners)}")
     runner = runners[0]
     # The runner's gate, or the linear the mlp calls itself before its experts.
-    gate = runner.gate or getattr(mlp, "gate", None) or getattr(mlp, "router", None)
+    gate = next((g for g in (runner.gate, getattr(mlp, "gate", None),
+                             getattr(mlp, "router", None)) if g is not None), None)
     gate_name = next((n for n, m in mlp.named_children() if m is gate), None)
     if gate_name is None:
         raise ValueError(f"AFD gate_on 'attention': {type(mlp).__name__} has no router "
