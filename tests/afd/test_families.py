@@ -13,9 +13,9 @@ process over shm (test_served_family_matches_plain). Qwen3-MoE and DeepSeek are
 test_oracle.py's.
 
 And what is refused: an architecture AFD does not split, speculative
-decoding, each at config time naming the model and the reason; and the patch marks the FFN construction of
-every family families.py lists (a family without its marks would run its
-FFN on both roles).
+decoding, each at config time naming the model and the reason; and the patch
+marks the FFN construction of every family families.py lists (a family without
+its marks would run its FFN on both roles).
 """
 
 import json

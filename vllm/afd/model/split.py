@@ -23,9 +23,10 @@ layer, keeps upstream's own checks on the model (isinstance tests on `mlp`,
 expert counts for EPLB) working on both roles.
 
 gate_on "attention" (model/routing.py): the attention role keeps each MoE
-layer's router gate (materialized, loaded from `layers.N.mlp.gate.*` or the
-family's other router names: _GATE_NAME; a router left unread is an error) and
-router inside its RemoteFFN; the FFN role, unchanged otherwise, routes MoE
+layer's router linear and any correction bias of the MoE block's own
+(materialized, loaded from `layers.N.mlp.gate.*` or the family's other router
+names: _GATE_NAME; a router left unread is an error) and router inside its
+RemoteFFN; the FFN role, unchanged otherwise, routes MoE
 layers with what the attention side sent.
 """
 
