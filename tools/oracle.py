@@ -3,7 +3,7 @@
 """Greedy tokens and logprobs of a fixed prompt set, through plain vLLM or AFD.
 
     python tools/oracle.py MODEL --out result.json [--afd-config JSON] [--compile]
-        [--attention-backend NAME] [--fake-amx]
+        [--attention-backend NAME] [--fake-amx [all|linear]]
 
 Runs an in-process `LLM` (VLLM_ENABLE_V1_MULTIPROCESSING=0). With --afd-config
 the engine is the attention role and needs an FFN server listening; with the
@@ -201,6 +201,27 @@ def start_inprocess_ffn(llm_kwargs: dict):
     return FFNEngine(EngineArgs(**kwargs).create_engine_config())
 
 
+def fake_amx(scope: str) -> None:
+    """Tests only: vLLM's kernel choices as on a host with AMX tiles."""
+    import torch
+
+    if scope == "all":
+        torch.cpu._is_amx_tile_supported = lambda: True
+        return
+    import vllm.model_executor.layers.utils as layer_utils
+
+    real_check, real_amx = layer_utils.check_cpu_sgl_kernel, torch.cpu._is_amx_tile_supported
+
+    def check_as_on_amx(n: int, k: int, dtype) -> bool:
+        torch.cpu._is_amx_tile_supported = lambda: True
+        try:
+            return real_check(n, k, dtype)
+        finally:
+            torch.cpu._is_amx_tile_supported = real_amx
+
+    layer_utils.check_cpu_sgl_kernel = check_as_on_amx
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="+", help="one checkpoint (several with --matrix)")
@@ -227,14 +248,14 @@ def main() -> int:
     ap.add_argument("--plain-out", default=None,
                     help="first run plain vLLM in this process and write its result here "
                          "(then the --afd-config run: one process start for both)")
-    ap.add_argument("--fake-amx", action="store_true",
+    ap.add_argument("--fake-amx", nargs="?", const="all", choices=["all", "linear"],
                     help="tests: make this process's vLLM believe the CPU has AMX tiles "
-                         "(the choice an Intel AMX host makes, on any CPU)")
+                         "(the choices an Intel AMX host makes, on any CPU); 'linear': only "
+                         "its small-GEMM choice, SGL's packed GEMM, which runs on any "
+                         "AVX512-BF16 CPU (AMX's attention and experts need the tiles)")
     args = ap.parse_args()
     if args.fake_amx:
-        import torch
-
-        torch.cpu._is_amx_tile_supported = lambda: True
+        fake_amx(args.fake_amx)
     if args.matrix:
         return run_matrix(args)
     if len(args.model) != 1 or not args.out:

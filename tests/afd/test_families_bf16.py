@@ -13,9 +13,11 @@ supported architecture's checkpoint (test_families.MATRIX and ELSEWHERE)
 through plain vLLM and AFD (loopback, one process for all), token-exact with
 logprobs within 1e-5; the two AFD roles' kernels (vllm/afd/model/kernels.py)
 together those plain vLLM ran (as in float32); and the AMX kernels really ran on an AMX host,
-and none elsewhere. One MoE family is also served with 2 micro-batches.
+and none elsewhere. One MoE family is also served with 2 micro-batches, and on
+hosts with AVX512-BF16 but no AMX five families run with AMX's linear kernel.
 """
 
+import json
 import time
 
 import pytest
@@ -23,7 +25,8 @@ import torch
 
 from servers import free_port
 from test_families import ELSEWHERE, MATRIX, check_family, run_matrix
-from test_oracle import assert_micro_batched, assert_same, ffn_server, ffn_stats, run_oracle
+from test_oracle import (LOGPROB_TOL, assert_micro_batched, assert_same, ffn_server, ffn_stats,
+                         run_oracle)
 
 pytestmark = pytest.mark.slow
 
@@ -92,3 +95,54 @@ def test_served_moe_family_in_bf16_with_micro_batches(models_dir, tmp_path, kern
     assert_same(plain, afd)
     kernel_paths.add(f"tiny-qwen2-moe bf16 served, m = 2: linear {plain['kernels']['linear']}, "
                      f"{time.monotonic() - t0:.0f}s")
+
+
+# An AMX host's small-GEMM kernel on this one. vLLM's CPU backend gives every
+# small bf16 linear (all of a tiny checkpoint's, and real models' routers) to
+# SGL's packed GEMM where the CPU has AMX tiles; that kernel also runs on any
+# CPU with AVX512-BF16 (AMX's attention and experts kernels need the tiles). So
+# AMD hosts with AVX512-BF16 run these families as an AMX host would pick their
+# linears (oracle.py --fake-amx linear): token-exact AFD with routers on either
+# role over packed weights (their bias turned float32, the weight itself
+# dropped). AMX hosts run it for real in the matrix above; other hosts lack the
+# instructions.
+SGL_HOST = torch.cpu._is_avx512_bf16_supported() and not AMX
+SGL = ["tiny-deepseek-v3", "tiny-exaone-moe", "tiny-gpt-oss", "tiny-llama", "tiny-qwen2-moe"]
+SGL_ROUTED = [n for n in SGL if n != "tiny-llama"]
+
+
+@pytest.fixture(scope="module")
+def sgl_matrix(models_dir, tmp_path_factory):
+    if not SGL_HOST:
+        pytest.skip("AMX host (the bf16 matrix runs SGL's GEMM there) or no AVX512-BF16")
+    out = tmp_path_factory.mktemp("matrix-bf16-sgl")
+    fake = ("--fake-amx", "linear")
+    TIMINGS["sgl"] = run_matrix(models_dir, out, SGL, DTYPE, *fake)
+    (out / "routed").mkdir()
+    TIMINGS["sgl routed"] = run_matrix(models_dir, out / "routed", SGL_ROUTED, DTYPE, *fake,
+                                       "--afd-only", "--gate-on", "attention")
+    return out
+
+
+@pytest.mark.parametrize("name", SGL)
+def test_family_matches_plain_on_amx_hosts_linear_kernel(models_dir, sgl_matrix, name,
+                                                        kernel_paths):
+    plain, afd = check_family(models_dir, sgl_matrix, name)
+    assert plain["amx"] is afd["amx"] is False  # this host's own answer, unfaked
+    # Every linear of the attention role and of the FFN role is SGL's but the
+    # few too large for it (the embedding-sized ones) and MLA's own.
+    linear = plain["kernels"]["linear"]
+    assert linear.get("sgl", 0) > sum(v for k, v in linear.items() if k != "sgl"), linear
+    for role in ("kernels", "ffn_kernels"):
+        assert "sgl" in afd[role]["linear"], afd[role]
+    text = f"{name} bf16, an AMX host's linears (SGL) on this one: {linear}"
+    if name in SGL_ROUTED:
+        routed = sgl_matrix / "routed"
+        error = routed / f"{name}.error.txt"
+        assert not error.exists(), error.read_text()[-4000:]
+        afd_routed = json.loads((routed / f"{name}.afd.json").read_text())
+        assert_same(plain, afd_routed, LOGPROB_TOL)
+        assert afd_routed["link_stats"]["routed_calls"] > 0, afd_routed["link_stats"]
+        text += ", routers on either role"
+    kernel_paths.add(f"{text} (of {len(SGL)}: {TIMINGS.get('sgl', 0):.0f}s "
+                     f"+ {TIMINGS.get('sgl routed', 0):.0f}s routed)")
