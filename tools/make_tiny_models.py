@@ -47,6 +47,11 @@ _MLA = dict(
     n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
     moe_intermediate_size=64, first_k_dense_replace=1,
 )
+_GDN = dict(
+    _GQA, num_hidden_layers=4, hidden_size=128, linear_num_key_heads=1,
+    linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+)
 SPECS = {
     "tiny-qwen3-moe": dict(
         _QWEN3_MOE, num_hidden_layers=4, hidden_size=128, intermediate_size=256,
@@ -192,6 +197,22 @@ SPECS = {
         mlp_layer_types=["dense", "sparse", "sparse"], first_k_dense_replace=1,
         router_scaling_factor=2.5, route_norm=True, qk_norm=True,
     ),
+    # Hybrid decoders: Gated DeltaNet linear attention (`linear_attn`) on three
+    # layers, gated full attention (q_proj twice the heads, q/k norm) on the
+    # fourth, and the FFN beside either. vLLM's CPU GDN kernel takes bf16 and
+    # key/value head dims of 128 only (32 is refused). Qwen3-Next: a sparse MoE
+    # block with a gated shared expert, dense layer 0 (mlp_only_layers);
+    # Qwen3.5: the same layers with split in_proj tensors, MoE or dense.
+    "tiny-qwen3-next": dict(
+        _GDN, arch="Qwen3NextForCausalLM", intermediate_size=256, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+        decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True,
+    ),
+    "tiny-qwen3.5-moe": dict(
+        _GDN, arch="Qwen3_5MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    ),
+    "tiny-qwen3.5": dict(_GDN, arch="Qwen3_5ForCausalLM", intermediate_size=256),
     "tiny-llama": dict(
         _GQA, arch="LlamaForCausalLM", num_hidden_layers=2, hidden_size=128,
         intermediate_size=256,
@@ -208,7 +229,9 @@ SPECS = {
 }
 # Architectures whose HF config class is not arch.replace("ForCausalLM",
 # "Config") (Llama4Config is the multimodal wrapper).
-CONFIG_CLASS = {"Llama4ForCausalLM": "Llama4TextConfig", "PhiMoEForCausalLM": "PhimoeConfig"}
+CONFIG_CLASS = {"Llama4ForCausalLM": "Llama4TextConfig", "PhiMoEForCausalLM": "PhimoeConfig",
+                "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig",
+                "Qwen3_5ForCausalLM": "Qwen3_5TextConfig"}
 TINY = [n for n in SPECS if n.startswith("tiny-")]
 
 
@@ -298,7 +321,10 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], str]]:
         if _arch(cfg) == "AfmoeForCausalLM":  # norms before and after the FFN
             out[p + "pre_mlp_layernorm.weight"] = ((h,), "ones")
             out[p + "post_mlp_layernorm.weight"] = ((h,), "ones")
-        out.update(_attention_shapes(cfg, p + "self_attn."))
+        if cfg.get("layer_types", [None] * nl)[i] == "linear_attention":
+            out.update(_gated_delta_net_shapes(cfg, p + "linear_attn."))
+        else:
+            out.update(_attention_shapes(cfg, p + "self_attn."))
         out.update(_ffn_shapes(cfg, i, p))
     if _arch(cfg) == "PhiMoEForCausalLM":  # LayerNorm, and lm_head with a bias
         out.update({k[:-len("weight")] + "bias": ((h if "norm" in k else VOCAB,), "bias")
@@ -331,7 +357,10 @@ def _attention_shapes(cfg: dict, a: str) -> dict:
         return out
     # Qwen2-MoE has no head_dim field (vLLM uses hidden // heads).
     hd, nkv = cfg.get("head_dim") or h // nh, cfg["num_key_value_heads"]
-    out[a + "q_proj.weight"] = ((nh * hd, h), "normal")
+    # Qwen3-Next's and Qwen3.5's q_proj also projects the output gate.
+    gated = 2 if arch in ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM",
+                          "Qwen3_5ForCausalLM") else 1
+    out[a + "q_proj.weight"] = ((gated * nh * hd, h), "normal")
     out[a + "k_proj.weight"] = ((nkv * hd, h), "normal")
     out[a + "v_proj.weight"] = ((nkv * hd, h), "normal")
     out[a + "o_proj.weight"] = ((h, nh * hd), "normal")
@@ -356,6 +385,28 @@ def _attention_shapes(cfg: dict, a: str) -> dict:
             arch == "Glm4MoeForCausalLM" and cfg.get("use_qk_norm")):
         out[a + "q_norm.weight"] = ((hd,), "ones")
         out[a + "k_norm.weight"] = ((hd,), "ones")
+    return out
+
+
+def _gated_delta_net_shapes(cfg: dict, a: str) -> dict:
+    h, k_heads, v_heads = (cfg["hidden_size"], cfg["linear_num_key_heads"],
+                           cfg["linear_num_value_heads"])
+    qk, v = k_heads * cfg["linear_key_head_dim"], v_heads * cfg["linear_value_head_dim"]
+    out = {
+        a + "conv1d.weight": ((2 * qk + v, 1, cfg["linear_conv_kernel_dim"]), "normal"),
+        a + "A_log": ((v_heads,), "normal"),
+        a + "dt_bias": ((v_heads,), "normal"),
+        a + "norm.weight": ((cfg["linear_value_head_dim"],), "ones"),
+        a + "out_proj.weight": ((h, v), "normal"),
+    }
+    if _arch(cfg) == "Qwen3NextForCausalLM":  # q, k, v, z and b, a fused
+        out[a + "in_proj_qkvz.weight"] = ((2 * qk + 2 * v, h), "normal")
+        out[a + "in_proj_ba.weight"] = ((2 * v_heads, h), "normal")
+        return out
+    out[a + "in_proj_qkv.weight"] = ((2 * qk + v, h), "normal")
+    out[a + "in_proj_z.weight"] = ((v, h), "normal")
+    out[a + "in_proj_b.weight"] = ((v_heads, h), "normal")
+    out[a + "in_proj_a.weight"] = ((v_heads, h), "normal")
     return out
 
 
@@ -463,7 +514,7 @@ def _ffn_shapes(cfg: dict, i: int, p: str) -> dict:
         mlps += [(f"{m}experts.{e}.", mi) for e in range(n_exp)]
         if cfg.get("n_shared_experts"):
             mlps.append((m + "shared_experts.", mi * cfg["n_shared_experts"]))
-        if arch == "Qwen2MoeForCausalLM":
+        if arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"):
             mlps.append((m + "shared_expert.",
                          cfg["shared_expert_intermediate_size"]))
             out[m + "shared_expert_gate.weight"] = ((1, h), "normal")

@@ -135,11 +135,17 @@ def run_matrix(args) -> int:
     inspect_in_parallel(args.model)
     for model in args.model:
         name = Path(model).name
-        # loopback binds nothing; the port is only validated.
-        afd_config = json.dumps({"connector": "loopback", "port": 7700, "timeout_s": 60,
-                                 "role": "attention", "gate_on": args.gate_on})
+
+        def afd_config(gate_on: str) -> str:
+            # loopback binds nothing; the port is only validated.
+            return json.dumps({"connector": "loopback", "port": 7700, "timeout_s": 60,
+                               "role": "attention", "gate_on": gate_on})
+
         t0 = time.monotonic()
-        runs = (("plain", None), ("afd", afd_config))
+        both = args.gate_on == "both"
+        runs = [("plain", None), ("afd", afd_config("ffn" if both else args.gate_on))]
+        if both and is_moe(model):
+            runs.append(("routed", afd_config("attention")))
         if args.plain_only or args.afd_only:
             runs = runs[:1] if args.plain_only else runs[1:]
         try:
@@ -154,6 +160,16 @@ def run_matrix(args) -> int:
             (out / f"{name}.error.txt").write_text(traceback.format_exc())
             release_engine()
     return 0
+
+
+def is_moe(model: str) -> bool:
+    from pathlib import Path
+
+    from vllm.afd.model.families import family_of
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    family = family_of(config["architectures"])
+    return family is not None and family.moe
 
 
 def inspect_in_parallel(models: list[str]) -> None:
@@ -234,8 +250,10 @@ def main() -> int:
                     help="with --matrix: plain vLLM only (e.g. stock vLLM, which has no AFD)")
     ap.add_argument("--afd-only", action="store_true",
                     help="with --matrix: AFD only (the plain runs are another matrix's)")
-    ap.add_argument("--gate-on", default="ffn", choices=["ffn", "attention"],
-                    help="with --matrix: where the AFD runs' MoE routers run")
+    ap.add_argument("--gate-on", default="ffn", choices=["ffn", "attention", "both"],
+                    help="with --matrix: where the AFD runs' MoE routers run; 'both': a "
+                         "second AFD run of each MoE model with them on the attention "
+                         "role (DIR/NAME.routed.json)")
     ap.add_argument("--afd-config", default=None)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--max-tokens", type=int, default=16)

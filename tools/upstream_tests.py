@@ -24,12 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from upstream import REPO_ROOT, fetch_base_wheel, fetch_sdist, load_pin  # noqa: E402
 
 # Upstream tests of the modules patches/ touches (engine args and config, the
-# serve CLI, platform detection through the CLI) that run here.
+# serve CLI, platform detection through the CLI, micro-batch slicing) that run here.
 DEFAULT_FILES = [
     "tests/engine/test_arg_utils.py",
     "tests/config/test_config_utils.py",
     "tests/entrypoints/cli/test_serve.py",
     "tests/entrypoints/launchers/test_cli_args.py",
+    "tests/v1/worker/test_gpu_ubatch_slicing.py",
 ]
 TEST_DEPS = ["tblib==3.2.2", "pytest==9.2.0", "pytest-asyncio==1.5.0", "pytest-mock==3.17.0"]
 _OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)")

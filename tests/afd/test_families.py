@@ -59,6 +59,13 @@ MATRIX = {
     "tiny-qwen3": "Qwen3ForCausalLM",
     "tiny-qwen2": "Qwen2ForCausalLM",
 }
+# Hybrid decoders (Gated DeltaNet linear attention beside full attention):
+# vLLM's CPU GDN kernel takes bf16 only, so test_families_bf16.py runs them.
+HYBRID = {
+    "tiny-qwen3-next": "Qwen3NextForCausalLM",
+    "tiny-qwen3.5-moe": "Qwen3_5MoeForCausalLM",
+    "tiny-qwen3.5": "Qwen3_5ForCausalLM",
+}
 # Covered by test_oracle.py with their own checkpoints.
 ELSEWHERE = {"Qwen3MoeForCausalLM": "tiny-qwen3-moe", "DeepseekV2ForCausalLM": "tiny-deepseek-v2",
              "DeepseekV3ForCausalLM": "tiny-deepseek-v3"}
@@ -66,7 +73,7 @@ TIMINGS: dict[str, float] = {}
 
 
 def test_every_supported_family_has_a_checkpoint_in_the_matrix():
-    covered = set(MATRIX.values()) | set(ELSEWHERE)
+    covered = set(MATRIX.values()) | set(HYBRID.values()) | set(ELSEWHERE)
     assert covered == set(SUPPORTED), set(SUPPORTED) ^ covered
 
 
@@ -150,15 +157,15 @@ def test_refusals_come_from_the_real_config(models_dir):
 
 
 def run_matrix(models_dir: Path, out: Path, names, dtype: str = "float32",
-               *extra: str) -> float:
+               *extra: str, env: dict | None = None) -> float:
     """Every named family's plain and AFD runs, in one oracle process (one
-    start); its wall time."""
+    start); its wall time. env: variables to add to the process's."""
     t0 = time.monotonic()
     proc = preload.run(
         [sys.executable, str(ORACLE), "--matrix", str(out), "--dtype", dtype, *extra,
          *[str(models_dir / name) for name in sorted(names)]],
         capture_output=True, text=True, timeout=900, cwd=out,
-        env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0)))
+        env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0), **(env or {})))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return time.monotonic() - t0
 

@@ -13,20 +13,27 @@ supported architecture's checkpoint (test_families.MATRIX and ELSEWHERE)
 through plain vLLM and AFD (loopback, one process for all), token-exact with
 logprobs within 1e-5; the two AFD roles' kernels (vllm/afd/model/kernels.py)
 together those plain vLLM ran (as in float32); and the AMX kernels really ran on an AMX host,
-and none elsewhere. One MoE family is also served with 2 micro-batches, and on
-hosts with AVX512-BF16 but no AMX five families run with AMX's linear kernel.
+and none elsewhere. The hybrid families (test_families.HYBRID: Gated DeltaNet
+layers, whose CPU kernel takes bf16 only) are here alone, in a process of their
+own, with routers on either role. Qwen2-MoE and Qwen3-Next are also served with
+2 micro-batches, and on hosts with AVX512-BF16 but no AMX five families run
+with AMX's linear kernel.
 """
 
 import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from servers import free_port
-from test_families import ELSEWHERE, MATRIX, check_family, run_matrix
+from test_families import ELSEWHERE, HYBRID, MATRIX, check_family, run_matrix
 from test_oracle import (LOGPROB_TOL, assert_micro_batched, assert_same, ffn_server, ffn_stats,
                          run_oracle)
+
+from vllm.afd.model.families import SUPPORTED
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +41,9 @@ DTYPE = "bfloat16"
 NAMES = sorted({*MATRIX, *ELSEWHERE.values()})
 AMX = torch.cpu._is_amx_tile_supported()
 TIMINGS: dict[str, float] = {}
+# Qwen3.5's vLLM module imports torchvision (through Qwen3-VL's): the hybrid
+# families run with this import-only stand-in on the path (its docstring).
+STAND_INS = Path(__file__).resolve().parents[1] / "stand_ins"
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +53,20 @@ def matrix(models_dir, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_family_matches_plain_in_bf16(models_dir, matrix, name, kernel_paths):
+@pytest.fixture(scope="module")
+def hybrid_matrix(models_dir, tmp_path_factory):
+    """The hybrid families (bf16 only), each MoE one also with its routers on
+    the attention role (NAME.routed.json), in one process of their own."""
+    out = tmp_path_factory.mktemp("matrix-bf16-hybrid")
+    path = os.pathsep.join(filter(None, (str(STAND_INS), os.environ.get("PYTHONPATH"))))
+    TIMINGS["hybrid"] = run_matrix(models_dir, out, HYBRID, DTYPE, "--gate-on", "both",
+                                   env={"PYTHONPATH": path})
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES + sorted(HYBRID))
+def test_family_matches_plain_in_bf16(models_dir, request, name, kernel_paths):
+    matrix = request.getfixturevalue("hybrid_matrix" if name in HYBRID else "matrix")
     plain, afd = check_family(models_dir, matrix, name)
     assert plain["amx"] == afd["amx"] == AMX
     assert plain["dtype"] == afd["dtype"] == "torch.bfloat16"
@@ -58,10 +80,20 @@ def test_family_matches_plain_in_bf16(models_dir, matrix, name, kernel_paths):
     else:
         assert "sgl" not in kp["linear"] and "amx" not in kp["attention_isa"], kp
         assert not any("amx" in e for e in kp["moe_experts"]), kp
+    of = f"bf16 matrix of {len(NAMES)}: {TIMINGS.get('matrix', 0):.0f}s"
+    if name in HYBRID:
+        of = f"hybrid matrix of {len(HYBRID)}: {TIMINGS.get('hybrid', 0):.0f}s"
+        routed = matrix / f"{name}.routed.json"
+        assert routed.exists() == SUPPORTED[HYBRID[name]].moe
+        if routed.exists():  # the routers on the attention role, same tokens
+            routed = json.loads(routed.read_text())
+            assert_same(plain, routed, LOGPROB_TOL)
+            assert routed["link_stats"]["routed_calls"] > 0, routed["link_stats"]
+            of = "routers on either role, " + of
     kernel_paths.add(
         f"{name} bf16: attention {'/'.join(kp['attention_backends'] + kp['attention_isa'])}, "
         f"linear {kp['linear']}, experts {kp['moe_experts'] or '-'}; plain + AFD "
-        f"{afd['wall_s']:.0f}s (bf16 matrix of {len(NAMES)}: {TIMINGS.get('matrix', 0):.0f}s)")
+        f"{afd['wall_s']:.0f}s ({of})")
 
 
 # Micro-batches give the FFN's kernels fewer rows than plain vLLM's. With oneDNN
@@ -76,12 +108,18 @@ AMX_ROWS = pytest.mark.xfail(
 
 
 @AMX_ROWS
-def test_served_moe_family_in_bf16_with_micro_batches(models_dir, tmp_path, kernel_paths):
-    """Qwen2-MoE (shared expert, its gate and the routed experts on the FFN)
-    against a real FFN server over shm, 2 micro-batches, bf16 on both roles."""
-    model = models_dir / "tiny-qwen2-moe"
+@pytest.mark.parametrize("name, gate_on", [("tiny-qwen2-moe", "ffn"),
+                                           ("tiny-qwen3-next", "attention")])
+def test_served_moe_family_in_bf16_with_micro_batches(models_dir, tmp_path, name, gate_on,
+                                                      kernel_paths):
+    """Against a real FFN server over shm, 2 micro-batches, bf16 on both roles:
+    Qwen2-MoE (shared expert, its gate and the routed experts on the FFN), and
+    the hybrid family group's Qwen3-Next (each micro-batch's Gated DeltaNet
+    state and attention metadata sliced by vLLM) with its routers on the
+    attention role."""
+    model = models_dir / name
     config = {"connector": "shm", "port": free_port(), "timeout_s": 60, "num_ubatches": 2,
-              "ubatch_policy": "fixed"}
+              "ubatch_policy": "fixed", "gate_on": gate_on}
     t0 = time.monotonic()
     with ffn_server(model, config, tmp_path / "ffn.log", dtype=DTYPE) as ffn:
         plain = run_oracle(model, tmp_path / "plain.json", dtype=DTYPE)
@@ -93,8 +131,10 @@ def test_served_moe_family_in_bf16_with_micro_batches(models_dir, tmp_path, kern
     assert_micro_batched(afd, model, 2)
     assert served["steps"] == afd["link_stats"]["steps"] > 0
     assert_same(plain, afd)
-    kernel_paths.add(f"tiny-qwen2-moe bf16 served, m = 2: linear {plain['kernels']['linear']}, "
-                     f"{time.monotonic() - t0:.0f}s")
+    routed = served["routed_calls"]
+    assert (routed > 0) if gate_on == "attention" else routed == 0, served
+    kernel_paths.add(f"{name} bf16 served, m = 2, routers on {gate_on}: "
+                     f"linear {plain['kernels']['linear']}, {time.monotonic() - t0:.0f}s")
 
 
 # An AMX host's small-GEMM kernel on this one. vLLM's CPU backend gives every

@@ -42,10 +42,66 @@ def test_one_token_or_one_ubatch_is_not_split():
     assert split_tokens(np.array([5, 5]), 1) is None
 
 
+@pytest.mark.parametrize("tokens, m, sizes", [
+    ([1] * 8, 2, [4, 4]),            # decodes: the even split is already on edges
+    ([3, 4], 4, [3, 4]),              # two requests: two micro-batches at most
+    ([5, 1, 1, 30], 3, [7, 30]),      # 12 moves to 7, 24 to the end: two
+    ([7, 1, 9, 2, 11], 3, [8, 11, 11]),
+    ([2, 20], 2, [2, 20]),            # vLLM's own split would cut the prefill
+])
+def test_hybrid_models_split_between_requests_only(tokens, m, sizes):
+    """Recurrent layers (hybrid models) need each request whole in one
+    micro-batch: the boundaries move to the nearest request edge."""
+    counts = np.array(tokens, dtype=np.int32)
+    slices = split_tokens(counts, m, whole_requests=True)
+    assert [s.num_tokens for s in slices] == sizes
+    cu = list(np.concatenate([[0], np.cumsum(counts)]))
+    for s in slices:
+        assert s.token_slice.start in cu and s.token_slice.stop in cu
+        assert cu.index(s.token_slice.start) == s.request_slice.start
+        assert cu.index(s.token_slice.stop) == s.request_slice.stop
+    assert split_tokens(np.array([64]), 4, whole_requests=True) is None
+
+
+def test_micro_batch_metadata_keeps_which_requests_are_prefilling():
+    """patches/fix_ubatch_slice_keeps_is_prefilling.patch: vLLM's slicing into
+    micro-batches keeps is_prefilling, by which the Gated DeltaNet and Mamba
+    builders zero a new prompt's recurrent state (a one-token prompt otherwise
+    counts as a decode and reads its slot's stale state)."""
+    import torch
+
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.worker.ubatch_utils import split_attn_metadata
+
+    query_lens, seq_lens = [1, 1, 1, 5], [9, 1, 4, 5]  # a decode, a 1-token prompt, ...
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32)
+    prefilling = torch.tensor([False, True, False, True])
+    metadata = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=4, num_actual_tokens=8,
+        max_query_len=5, max_seq_len=9, block_table_tensor=torch.zeros(4, 1, dtype=torch.int32),
+        slot_mapping=torch.arange(8), seq_lens_cpu_upper_bound=torch.tensor(seq_lens),
+        is_prefilling=prefilling)
+    slices = split_tokens(np.array(query_lens), 2, whole_requests=True)
+    ubatches = split_attn_metadata(slices, metadata)
+    assert [u.is_prefilling.tolist() for u in ubatches] == [[False, True, False], [True]]
+
+
 class _Cfg:
     class afd_config:  # noqa: N801 - stands in for AFDConfig
         is_attention = True
         num_ubatches = 2
+
+
+def test_runner_keeps_requests_whole_for_hybrid_models():
+    class Hybrid(_Cfg):
+        class model_config:  # noqa: N801 - stands in for ModelConfig
+            is_hybrid = True
+    counts = np.array([2, 20], dtype=np.int32)
+    plain, _ = maybe_ubatch_slices(_Cfg, counts, 22, 2, None, None)
+    hybrid, _ = maybe_ubatch_slices(Hybrid, counts, 22, 2, None, None)
+    assert [s.num_tokens for s in plain] == [11, 11]
+    assert [s.num_tokens for s in hybrid] == [2, 20]
 
 
 def test_runner_slices_only_for_attention_with_ubatches():

@@ -109,9 +109,16 @@ def num_ubatches_for(vllm_config) -> int:
     return afd.num_ubatches
 
 
-def split_tokens(num_scheduled_tokens: np.ndarray, num_ubatches: int) -> list[UBatchSlice] | None:
+def split_tokens(num_scheduled_tokens: np.ndarray, num_ubatches: int,
+                 whole_requests: bool = False) -> list[UBatchSlice] | None:
     """Split a step's tokens into min(num_ubatches, tokens) contiguous
-    micro-batches whose sizes differ by at most one; None when that is one."""
+    micro-batches whose sizes differ by at most one; None when that is one.
+
+    whole_requests: never split a request's tokens between micro-batches; each
+    boundary moves to the nearest request edge (fewer micro-batches when two
+    meet). Layers with recurrent state (the Gated DeltaNet or Mamba layers of a
+    hybrid model) need it: a request cut in two would run its recurrence in
+    two pieces, which rounds differently from plain vLLM's one."""
     total = int(num_scheduled_tokens.sum())
     m = min(num_ubatches, total)
     if m < 2:
@@ -119,6 +126,12 @@ def split_tokens(num_scheduled_tokens: np.ndarray, num_ubatches: int) -> list[UB
     cu = np.zeros(len(num_scheduled_tokens) + 1, dtype=np.int64)
     np.cumsum(num_scheduled_tokens, out=cu[1:])
     bounds = [(i * total) // m for i in range(m + 1)]
+    if whole_requests:
+        edges = {int(min(cu, key=lambda edge: (abs(int(edge) - b), int(edge))))
+                 for b in bounds[1:-1]}
+        bounds = sorted(edges | {0, total})
+        if len(bounds) < 3:
+            return None
     slices = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         # Requests overlapping [start, end): the one holding `start` up to the
@@ -142,7 +155,9 @@ def maybe_ubatch_slices(vllm_config, num_scheduled_tokens: np.ndarray, num_token
     link = _attention_link(vllm_config)
     if link is not None and link.ubatch_rule is not None:
         m = link.ubatch_rule.choose(int(num_scheduled_tokens.sum()))
-    slices = split_tokens(num_scheduled_tokens, m)
+    model_config = getattr(vllm_config, "model_config", None)
+    slices = split_tokens(num_scheduled_tokens, m,
+                          whole_requests=bool(getattr(model_config, "is_hybrid", False)))
     if slices is None:
         return None, None
     last = slices[-1]

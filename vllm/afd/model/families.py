@@ -2,9 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """The model architectures AFD splits, and why others are refused (adapter).
 
-An architecture is supported when its decoder layer is `self_attn` + one FFN
-module (the sparse MoE block, or a dense MLP) that is called as
-`hidden_states = ffn(hidden_states)`, and the upstream code that builds that
+An architecture is supported when its decoder layer is an attention module
+(`self_attn`, or in the hybrid Qwen3-Next / Qwen3.5 a Gated DeltaNet
+`linear_attn` on some layers) + one FFN module (the sparse MoE block, or a
+dense MLP) that is called as `hidden_states = ffn(hidden_states)`, and the
+upstream code that builds that
 module is marked with `afd_seams.begin_mlp()` ... `afd_scope.close()`
 (patches/feat_models_mark_mlp_construction.patch). The module's attribute is
 one of FFN_ATTRS; checkpoint and module names of the FFN are
@@ -51,10 +53,19 @@ SUPPORTED: dict[str, Family] = {
     "Glm4MoeLiteForCausalLM": Family("GLM-4.7-Flash", "mlp", True),
     "AfmoeForCausalLM": Family("AFMoE", "mlp", True),
     "HYV3ForCausalLM": Family("HunYuan V3", "mlp", True),
+    "Qwen3NextForCausalLM": Family("Qwen3-Next", "mlp", True),
+    "Qwen3_5MoeForCausalLM": Family("Qwen3.5 MoE (text)", "mlp", True),
     "LlamaForCausalLM": Family("Llama (dense)", "mlp", False),
     "Qwen3ForCausalLM": Family("Qwen3 (dense)", "mlp", False),
     "Qwen2ForCausalLM": Family("Qwen2 / Qwen2.5 (dense)", "mlp", False),
+    "Qwen3_5ForCausalLM": Family("Qwen3.5 (dense, text)", "mlp", False),
 }
+
+def _text_model_only(text_arch: str) -> str:
+    return ("AFD is checked on Qwen3.5's text model only, not yet with its vision encoder; "
+            f"serve the text model (--hf-overrides '{{\"architectures\": [\"{text_arch}\"]}}' "
+            "with a text-only checkpoint)")
+
 
 # Architectures people ask for that AFD refuses, and why (others: not opted in).
 REFUSED: dict[str, str] = {
@@ -78,6 +89,8 @@ REFUSED: dict[str, str] = {
         "it (two FFN modules)"),
     "LongcatFlashForCausalLM": (
         "its decoder layer has two MLPs (`mlps`) and a shortcut-connected MoE (`mlp`)"),
+    "Qwen3_5MoeForConditionalGeneration": _text_model_only("Qwen3_5MoeForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": _text_model_only("Qwen3_5ForCausalLM"),
     **dict.fromkeys(("DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration"), (
         "its first MoE layers route each token by its id (`ffn(x, input_ids)`, a hash "
         "router), and AFD sends the FFN role hidden states only")),
