@@ -52,6 +52,11 @@ _GDN = dict(
     linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
     linear_conv_kernel_dim=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
 )
+_LFM2 = dict(
+    num_hidden_layers=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+    layer_types=["conv", "full_attention", "conv", "full_attention"], conv_L_cache=3,
+    tie_word_embeddings=True,  # as released: vLLM's LFM2 always ties lm_head
+)
 SPECS = {
     "tiny-qwen3-moe": dict(
         _QWEN3_MOE, num_hidden_layers=4, hidden_size=128, intermediate_size=256,
@@ -213,6 +218,19 @@ SPECS = {
         moe_intermediate_size=64, shared_expert_intermediate_size=64,
     ),
     "tiny-qwen3.5": dict(_GDN, arch="Qwen3_5ForCausalLM", intermediate_size=256),
+    # LFM2: gated short convolutions (`conv`) on some layers, attention with
+    # q/k norm on the others, the FFN (`feed_forward`, w1/w2/w3) beside either.
+    # LFM2-MoE: dense layer 0, sigmoid top-k with the correction bias in the
+    # MoE block (`feed_forward.expert_bias`). vLLM also reads the released
+    # config's block_dim and conv_dim, which transformers' Lfm2Config lacks.
+    "tiny-lfm2-moe": dict(
+        _LFM2, arch="Lfm2MoeForCausalLM", intermediate_size=256, moe_intermediate_size=64,
+        num_dense_layers=1, num_experts=8, num_experts_per_tok=2, routed_scaling_factor=2.5,
+    ),
+    "tiny-lfm2": dict(
+        _LFM2, arch="Lfm2ForCausalLM", intermediate_size=256, block_dim=128, conv_dim=128,
+        block_auto_adjust_ff_dim=False,
+    ),
     "tiny-llama": dict(
         _GQA, arch="LlamaForCausalLM", num_hidden_layers=2, hidden_size=128,
         intermediate_size=256,
@@ -308,6 +326,8 @@ def build_config(name: str) -> dict:
 
 def weight_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], str]]:
     """Checkpoint tensor names (HF layout vLLM loads) -> (shape, init kind)."""
+    if _arch(cfg).startswith("Lfm2"):
+        return _lfm2_shapes(cfg)
     h, nl = cfg["hidden_size"], cfg["num_hidden_layers"]
     out = {
         "model.embed_tokens.weight": ((VOCAB, h), "normal"),
@@ -330,6 +350,45 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], str]]:
         out.update({k[:-len("weight")] + "bias": ((h if "norm" in k else VOCAB,), "bias")
                     for k in list(out)
                     if k.endswith("norm.weight") or k == "lm_head.weight"})
+    return out
+
+
+def _lfm2_shapes(cfg: dict) -> dict:
+    """LFM2's own names: operator/ffn norms, `conv` or `self_attn` (its
+    `out_proj`, q/k `layernorm`), `feed_forward` w1/w3/w2, `embedding_norm`,
+    and no lm_head (tied to the embeddings)."""
+    h, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = h // nh
+    out = {
+        "model.embed_tokens.weight": ((VOCAB, h), "normal"),
+        "model.embedding_norm.weight": ((h,), "ones"),
+    }
+    names = ("w1", "w3", "w2")
+    for i, kind in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}."
+        out[p + "operator_norm.weight"] = ((h,), "ones")
+        out[p + "ffn_norm.weight"] = ((h,), "ones")
+        if kind == "conv":
+            out[p + "conv.in_proj.weight"] = ((3 * h, h), "normal")
+            out[p + "conv.conv.weight"] = ((h, 1, cfg["conv_L_cache"]), "normal")
+            out[p + "conv.out_proj.weight"] = ((h, h), "normal")
+        else:
+            a = p + "self_attn."
+            out[a + "q_proj.weight"] = ((nh * hd, h), "normal")
+            out[a + "k_proj.weight"] = ((nkv * hd, h), "normal")
+            out[a + "v_proj.weight"] = ((nkv * hd, h), "normal")
+            out[a + "out_proj.weight"] = ((h, nh * hd), "normal")
+            out[a + "q_layernorm.weight"] = ((hd,), "ones")
+            out[a + "k_layernorm.weight"] = ((hd,), "ones")
+        m = p + "feed_forward."
+        if "num_experts" not in cfg or i < cfg["num_dense_layers"]:
+            out.update(_glu(m, h, cfg["intermediate_size"], names))
+            continue
+        e = cfg["num_experts"]
+        out[m + "gate.weight"] = ((e, h), "normal")
+        out[m + "expert_bias"] = ((e,), "bias")
+        for j in range(e):
+            out.update(_glu(f"{m}experts.{j}.", h, cfg["moe_intermediate_size"], names))
     return out
 
 

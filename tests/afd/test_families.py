@@ -55,9 +55,11 @@ MATRIX = {
     "tiny-glm4-moe-lite": "Glm4MoeLiteForCausalLM",
     "tiny-afmoe": "AfmoeForCausalLM",
     "tiny-hy-v3": "HYV3ForCausalLM",
+    "tiny-lfm2-moe": "Lfm2MoeForCausalLM",
     "tiny-llama": "LlamaForCausalLM",
     "tiny-qwen3": "Qwen3ForCausalLM",
     "tiny-qwen2": "Qwen2ForCausalLM",
+    "tiny-lfm2": "Lfm2ForCausalLM",
 }
 # Hybrid decoders (Gated DeltaNet linear attention beside full attention):
 # vLLM's CPU GDN kernel takes bf16 only, so test_families_bf16.py runs them.
@@ -252,9 +254,11 @@ def test_family_matches_plain_with_routers_on_attention(models_dir, matrix, rout
 
 
 # One per family group against a real FFN server, with 2 micro-batches: MoE
-# (Mixtral: `block_sparse_moe`, its routers on the attention role) and dense
-# (Llama). test_oracle.py serves Qwen3-MoE and DeepSeek-V3.
-SERVED = [("tiny-mixtral", "attention"), ("tiny-llama", "ffn")]
+# (Mixtral: `block_sparse_moe`, its routers on the attention role), dense
+# (Llama) and hybrid (LFM2-MoE: short convolutions with recurrent state, its
+# block's own correction bias on the attention role; test_families_bf16.py
+# serves Qwen3-Next). test_oracle.py serves Qwen3-MoE and DeepSeek-V3.
+SERVED = [("tiny-mixtral", "attention"), ("tiny-llama", "ffn"), ("tiny-lfm2-moe", "attention")]
 
 
 @pytest.mark.slow

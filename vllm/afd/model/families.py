@@ -3,9 +3,10 @@
 """The model architectures AFD splits, and why others are refused (adapter).
 
 An architecture is supported when its decoder layer is an attention module
-(`self_attn`, or in the hybrid Qwen3-Next / Qwen3.5 a Gated DeltaNet
-`linear_attn` on some layers) + one FFN module (the sparse MoE block, or a
-dense MLP) that is called as `hidden_states = ffn(hidden_states)`, and the
+(`self_attn`, or in the hybrid Qwen3-Next / Qwen3.5 / LFM2 a Gated DeltaNet
+`linear_attn` or short convolution on some layers) + one FFN module (the
+sparse MoE block, or a dense MLP) that is called as
+`hidden_states = ffn(hidden_states)`, and the
 upstream code that builds that
 module is marked with `afd_seams.begin_mlp()` ... `afd_scope.close()`
 (patches/feat_models_mark_mlp_construction.patch). The module's attribute is
@@ -55,10 +56,12 @@ SUPPORTED: dict[str, Family] = {
     "HYV3ForCausalLM": Family("HunYuan V3", "mlp", True),
     "Qwen3NextForCausalLM": Family("Qwen3-Next", "mlp", True),
     "Qwen3_5MoeForCausalLM": Family("Qwen3.5 MoE (text)", "mlp", True),
+    "Lfm2MoeForCausalLM": Family("LFM2-MoE", "feed_forward", True),
     "LlamaForCausalLM": Family("Llama (dense)", "mlp", False),
     "Qwen3ForCausalLM": Family("Qwen3 (dense)", "mlp", False),
     "Qwen2ForCausalLM": Family("Qwen2 / Qwen2.5 (dense)", "mlp", False),
     "Qwen3_5ForCausalLM": Family("Qwen3.5 (dense, text)", "mlp", False),
+    "Lfm2ForCausalLM": Family("LFM2 (dense)", "feed_forward", False),
 }
 
 def _text_model_only(text_arch: str) -> str:
@@ -80,7 +83,9 @@ REFUSED: dict[str, str] = {
         "its MoE layer places its experts on the device itself, outside the construction "
         "scope AFD marks"),
     "GraniteMoeSharedForCausalLM": "its decoder layer has two FFN modules (MoE and shared MLP)",
-    "JambaForCausalLM": "hybrid Mamba layers: not a self_attn + mlp decoder",
+    "JambaForCausalLM": (
+        "not checked with AFD: its Mamba-1 layers run on vLLM's Triton kernels only, which "
+        "the CPU builds AFD is checked on lack"),
     "Step3TextForCausalLM": (
         "its MoE layers have two FFN modules (`moe` and `share_expert`) whose outputs the "
         "decoder layer adds"),
