@@ -31,6 +31,7 @@ DEFAULT_FILES = [
     "tests/entrypoints/cli/test_serve.py",
     "tests/entrypoints/launchers/test_cli_args.py",
     "tests/v1/worker/test_gpu_ubatch_slicing.py",
+    "tests/v1/attention/test_attention_splitting.py",
 ]
 TEST_DEPS = ["tblib==3.2.2", "pytest==9.2.0", "pytest-asyncio==1.5.0", "pytest-mock==3.17.0"]
 _OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)")
