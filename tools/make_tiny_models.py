@@ -52,6 +52,7 @@ _GDN = dict(
     linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
     linear_conv_kernel_dim=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
 )
+_QWEN_HYBRID = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForCausalLM")
 _LFM2 = dict(
     num_hidden_layers=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
     layer_types=["conv", "full_attention", "conv", "full_attention"], conv_L_cache=3,
@@ -417,8 +418,7 @@ def _attention_shapes(cfg: dict, a: str) -> dict:
     # Qwen2-MoE has no head_dim field (vLLM uses hidden // heads).
     hd, nkv = cfg.get("head_dim") or h // nh, cfg["num_key_value_heads"]
     # Qwen3-Next's and Qwen3.5's q_proj also projects the output gate.
-    gated = 2 if arch in ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM",
-                          "Qwen3_5ForCausalLM") else 1
+    gated = 2 if arch in _QWEN_HYBRID else 1
     out[a + "q_proj.weight"] = ((gated * nh * hd, h), "normal")
     out[a + "k_proj.weight"] = ((nkv * hd, h), "normal")
     out[a + "v_proj.weight"] = ((nkv * hd, h), "normal")
@@ -573,7 +573,7 @@ def _ffn_shapes(cfg: dict, i: int, p: str) -> dict:
         mlps += [(f"{m}experts.{e}.", mi) for e in range(n_exp)]
         if cfg.get("n_shared_experts"):
             mlps.append((m + "shared_experts.", mi * cfg["n_shared_experts"]))
-        if arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"):
+        if arch == "Qwen2MoeForCausalLM" or arch in _QWEN_HYBRID:
             mlps.append((m + "shared_expert.",
                          cfg["shared_expert_intermediate_size"]))
             out[m + "shared_expert_gate.weight"] = ((1, h), "normal")

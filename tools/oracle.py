@@ -135,17 +135,11 @@ def run_matrix(args) -> int:
     inspect_in_parallel(args.model)
     for model in args.model:
         name = Path(model).name
-
-        def afd_config(gate_on: str) -> str:
-            # loopback binds nothing; the port is only validated.
-            return json.dumps({"connector": "loopback", "port": 7700, "timeout_s": 60,
-                               "role": "attention", "gate_on": gate_on})
-
         t0 = time.monotonic()
         both = args.gate_on == "both"
-        runs = [("plain", None), ("afd", afd_config("ffn" if both else args.gate_on))]
+        runs = [("plain", None), ("afd", loopback_config("ffn" if both else args.gate_on))]
         if both and is_moe(model):
-            runs.append(("routed", afd_config("attention")))
+            runs.append(("routed", loopback_config("attention")))
         if args.plain_only or args.afd_only:
             runs = runs[:1] if args.plain_only else runs[1:]
         try:
@@ -160,6 +154,13 @@ def run_matrix(args) -> int:
             (out / f"{name}.error.txt").write_text(traceback.format_exc())
             release_engine()
     return 0
+
+
+def loopback_config(gate_on: str) -> str:
+    """Both roles in this process (loopback binds nothing; the port is only
+    validated)."""
+    return json.dumps({"connector": "loopback", "port": 7700, "timeout_s": 60,
+                       "role": "attention", "gate_on": gate_on})
 
 
 def is_moe(model: str) -> bool:

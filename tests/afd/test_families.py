@@ -199,6 +199,17 @@ def check_family(models_dir: Path, matrix: Path, name: str) -> tuple[dict, dict]
     return plain, afd
 
 
+def check_routed(matrix: Path, name: str, plain: dict, run: str = "afd") -> dict:
+    """A gate_on "attention" run of the matrix (DIR/NAME.<run>.json) against
+    plain vLLM's: the same tokens and logprobs, with routing really sent."""
+    error = matrix / f"{name}.error.txt"
+    assert not error.exists(), error.read_text()[-4000:]
+    routed = json.loads((matrix / f"{name}.{run}.json").read_text())
+    assert_same(plain, routed, LOGPROB_TOL)
+    assert routed["link_stats"]["routed_calls"] > 0, routed["link_stats"]
+    return routed
+
+
 @pytest.fixture(scope="module")
 def matrix(models_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("matrix")
@@ -243,12 +254,8 @@ def test_family_matches_plain_with_routers_on_attention(models_dir, matrix, rout
                                                          name, kernel_paths):
     """AFD with gate_on "attention" (loopback) against the matrix's plain run:
     the routing the attention role computed and sent gives plain vLLM's tokens."""
-    error = routed_matrix / f"{name}.error.txt"
-    assert not error.exists(), error.read_text()[-4000:]
     plain = json.loads((matrix / f"{name}.plain.json").read_text())
-    afd = json.loads((routed_matrix / f"{name}.afd.json").read_text())
-    assert_same(plain, afd, LOGPROB_TOL)
-    assert afd["link_stats"]["routed_calls"] > 0, afd["link_stats"]
+    afd = check_routed(routed_matrix, name, plain)
     kernel_paths.add(f"{name} routers on attention: AFD {afd['wall_s']:.0f}s "
                      f"(of {len(ROUTED)}: {TIMINGS.get('routed', 0):.0f}s)")
 

@@ -20,7 +20,6 @@ own, with routers on either role. Qwen2-MoE and Qwen3-Next are also served with
 with AMX's linear kernel.
 """
 
-import json
 import os
 import time
 from pathlib import Path
@@ -29,9 +28,8 @@ import pytest
 import torch
 
 from servers import free_port
-from test_families import ELSEWHERE, HYBRID, MATRIX, check_family, run_matrix
-from test_oracle import (LOGPROB_TOL, assert_micro_batched, assert_same, ffn_server, ffn_stats,
-                         run_oracle)
+from test_families import ELSEWHERE, HYBRID, MATRIX, check_family, check_routed, run_matrix
+from test_oracle import assert_micro_batched, assert_same, ffn_server, ffn_stats, run_oracle
 
 from vllm.afd.model.families import SUPPORTED
 
@@ -83,12 +81,10 @@ def test_family_matches_plain_in_bf16(models_dir, request, name, kernel_paths):
     of = f"bf16 matrix of {len(NAMES)}: {TIMINGS.get('matrix', 0):.0f}s"
     if name in HYBRID:
         of = f"hybrid matrix of {len(HYBRID)}: {TIMINGS.get('hybrid', 0):.0f}s"
-        routed = matrix / f"{name}.routed.json"
-        assert routed.exists() == SUPPORTED[HYBRID[name]].moe
-        if routed.exists():  # the routers on the attention role, same tokens
-            routed = json.loads(routed.read_text())
-            assert_same(plain, routed, LOGPROB_TOL)
-            assert routed["link_stats"]["routed_calls"] > 0, routed["link_stats"]
+        moe = SUPPORTED[HYBRID[name]].moe
+        assert (matrix / f"{name}.routed.json").exists() == moe
+        if moe:  # the routers on the attention role, same tokens
+            check_routed(matrix, name, plain, "routed")
             of = "routers on either role, " + of
     kernel_paths.add(
         f"{name} bf16: attention {'/'.join(kp['attention_backends'] + kp['attention_isa'])}, "
@@ -177,12 +173,7 @@ def test_family_matches_plain_on_amx_hosts_linear_kernel(models_dir, sgl_matrix,
         assert "sgl" in afd[role]["linear"], afd[role]
     text = f"{name} bf16, an AMX host's linears (SGL) on this one: {linear}"
     if name in SGL_ROUTED:
-        routed = sgl_matrix / "routed"
-        error = routed / f"{name}.error.txt"
-        assert not error.exists(), error.read_text()[-4000:]
-        afd_routed = json.loads((routed / f"{name}.afd.json").read_text())
-        assert_same(plain, afd_routed, LOGPROB_TOL)
-        assert afd_routed["link_stats"]["routed_calls"] > 0, afd_routed["link_stats"]
+        check_routed(sgl_matrix / "routed", name, plain)
         text += ", routers on either role"
     kernel_paths.add(f"{text} (of {len(SGL)}: {TIMINGS.get('sgl', 0):.0f}s "
                      f"+ {TIMINGS.get('sgl routed', 0):.0f}s routed)")
