@@ -20,7 +20,7 @@ WHEEL_STAMP := build/.installed-$(FLAVOR)
 CUDA_WHEEL_STAMP := build/.cuda-wheel
 MODELINFO_STAMP := build/.modelinfo-$(FLAVOR)
 
-.PHONY: demo test cuda-wheel bench plan-check bench-link bench-layer-call bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
+.PHONY: demo test test-as-host cuda-wheel bench plan-check bench-link bench-layer-call bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
 
 demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
@@ -28,9 +28,18 @@ demo: $(WHEEL_STAMP) models
 # Two xdist workers, a test module at a time (most tests wait on servers and
 # engines: one process kept about one of the two cores busy), slow modules first
 # (tests/conftest.py); then the `solo` tests, which measure the machine, alone.
-test: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(MODELINFO_STAMP)
-	$(VENV)/bin/pytest -q --durations=25 -n 2 --dist loadfile -m "not solo"; s=$$?; \
+SUITE = $(VENV)/bin/pytest -q --durations=25 -n 2 --dist loadfile -m "not solo"; s=$$?; \
 	$(VENV)/bin/pytest -q -m solo; t=$$?; exit $$(( s ? s : t ))
+test: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(MODELINFO_STAMP)
+	$(SUITE)
+
+# The same suite with the kernels an older x86 host chooses: HOST=avx2 (the AVX2-only
+# CI host) or HOST=avx512 (AVX-512 without bf16). tools/as_host/sitecustomize.py goes
+# into the environment, where it does nothing unless VLLM_AFD_AS_HOST is set.
+HOST ?= avx2
+test-as-host: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(MODELINFO_STAMP)
+	cp tools/as_host/sitecustomize.py "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
+	export VLLM_AFD_AS_HOST=$(HOST); $(SUITE)
 
 # The cuda flavor's wheel with its CUDA kernels (sm_80, sm_90), compiled here
 # without a GPU by the pinned toolchain (tools/cuda_toolchain.toml), once per

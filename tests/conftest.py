@@ -40,6 +40,16 @@ os.environ.setdefault("VLLM_AFD_TEST_FORK_SPAWN", "1")
 def pytest_configure(config):
     import importlib.util
 
+    as_host = os.environ.get("VLLM_AFD_AS_HOST")
+    if as_host:  # `make test-as-host`: its sitecustomize must be in this environment
+        import torch
+
+        if torch.backends.cpu.get_cpu_capability().lower() != as_host:
+            raise pytest.UsageError(
+                f"VLLM_AFD_AS_HOST={as_host} but torch dispatches to "
+                f"{torch.backends.cpu.get_cpu_capability()}: run `make test-as-host "
+                f"HOST={as_host}` (it installs tools/as_host/sitecustomize.py)")
+
     spec = importlib.util.find_spec("vllm")
     if os.environ.get("VLLM_AFD_TEST_SOURCE_TREE") == "1":
         return  # `make dev-test`: the vendored tree on PYTHONPATH, _C built in place
@@ -96,6 +106,9 @@ def pytest_testnodedown(node, error):
 def pytest_terminal_summary(terminalreporter):
     if KERNEL_PATHS:
         terminalreporter.section("kernel paths")
+        if os.environ.get("VLLM_AFD_AS_HOST"):
+            terminalreporter.write_line(
+                f"chosen as on an {os.environ['VLLM_AFD_AS_HOST']} host (tools/as_host)")
         for line in sorted(KERNEL_PATHS):
             terminalreporter.write_line(line)
 
