@@ -55,9 +55,14 @@ def engine_cli_args(model, dtype: str = "float32") -> list[str]:
     return ["--attention-backend", backend] if backend else []
 
 
+NOT_TORN_DOWN: list = []  # run(teardown=False)'s engines: kept until the process exits
+
+
 def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int,
         num_prompts: int, dtype: str, attention_backend: str | None = None,
-        prompts: list[str] | None = None) -> dict:
+        prompts: list[str] | None = None, teardown: bool = True) -> dict:
+    """One engine's results; teardown=False leaves the in-process FFN engine
+    running (for a process that exits right after)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import gc
 
@@ -106,7 +111,10 @@ def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int
     ffn_kernels = None
     if ffn_engine is not None:
         ffn_kernels = ffn_engine.core.collective_rpc("afd_kernels")[0]
-        ffn_engine.shutdown()
+        if teardown:
+            ffn_engine.shutdown()
+    if not teardown:  # freed on return, the engine would shut down (vLLM's finalizer)
+        NOT_TORN_DOWN.append((llm, ffn_engine))
     import torch
 
     import vllm
@@ -125,14 +133,25 @@ def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int
 
 def run_matrix(args) -> int:
     """The model matrix (tests/afd/test_families.py): one process start for
-    every model's plain and AFD runs. A model that fails is recorded, and the
-    others still run."""
-    import traceback
+    every model's plain and AFD runs, each run in a child of it. A model that
+    fails is recorded, and the others still run."""
     from pathlib import Path
 
     out = Path(args.matrix)
     out.mkdir(parents=True, exist_ok=True)
     inspect_in_parallel(args.model)
+    # Each run in a child forked from this process, which has imported vLLM and
+    # started no engine: every run starts from the same state, and its engine is
+    # never torn down. A teardown cost more than a tiny model's run: vLLM's
+    # shutdown unfreezes the gc heap (~0.7 M objects after the imports) and then
+    # collects it in full, ~0.5 s each, four times per engine with this process's
+    # own cleanup. Frozen here, the children's collections skip the imports, and
+    # leave their pages shared.
+    import gc
+    import importlib
+
+    compile_the_samplers_logprob_ranks(args.model)
+    gc.freeze()
     for model in args.model:
         name = Path(model).name
         t0 = time.monotonic()
@@ -142,18 +161,99 @@ def run_matrix(args) -> int:
             runs.append(("routed", loopback_config("attention")))
         if args.plain_only or args.afd_only:
             runs = runs[:1] if args.plain_only else runs[1:]
-        try:
-            for kind, config in runs:
+        for kind, config in runs:
+            def one_run(model=model, config=config) -> dict:
                 result = run(model, config, False, args.max_tokens, args.num_prompts,
                              args.dtype, attention_backend_for(model, args.dtype),
-                             args.prompt)
+                             args.prompt, teardown=False)
                 result["wall_s"] = time.monotonic() - t0
-                (out / f"{name}.{kind}.json").write_text(json.dumps(result))
-                release_engine()
-        except Exception:  # noqa: BLE001 - reported per model; the next one runs
-            (out / f"{name}.error.txt").write_text(traceback.format_exc())
-            release_engine()
+                return result
+
+            # A run that fails is reported per model; the next model runs.
+            ok, imported = in_child(one_run, out / f"{name}.{kind}.json",
+                                    out / f"{name}.error.txt")
+            # What the child imported (engine, worker and model modules, torch's
+            # compiler stack: seconds), imported here once for the next children.
+            for module in imported:
+                try:
+                    importlib.import_module(module)
+                except Exception:  # noqa: BLE001 - only a speed-up
+                    pass
+            gc.freeze()
+            if not ok:
+                break
     return 0
+
+
+def compile_the_samplers_logprob_ranks(models: list[str]) -> None:
+    """vLLM's sampler ranks each sampled token's logprob with a torch.compile'd
+    function (batched_count_greater_than), compiled at a process's first
+    logprobs: ~1.5 s, more than a tiny model's run. Compiled here, for each
+    vocabulary size the models have, the children reuse it."""
+    from pathlib import Path
+
+    import torch
+
+    from vllm.v1.sample.sampler import Sampler
+
+    vocab_sizes = set()
+    for model in models:
+        config = json.loads((Path(model) / "config.json").read_text())
+        vocab_sizes.add(config.get("vocab_size") or config.get("text_config", {})["vocab_size"])
+    # On one thread: an OpenMP thread pool started here would hang the
+    # children, which fork without its threads (GNU libgomp is not fork-safe).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for vocab_size in sorted(vocab_sizes):
+            for batch in (1, 3):  # its batch dimension is symbolic from the first call
+                logprobs = torch.randn(batch, vocab_size).log_softmax(-1)
+                Sampler.gather_logprobs(logprobs, 1, torch.zeros(batch, dtype=torch.int64))
+    finally:
+        torch.set_num_threads(threads)
+
+
+RUN_TIMEOUT_S = 300  # one engine's start and 10 prompts: seconds, on any CPU here
+
+
+def in_child(fn, out, error) -> tuple[bool, list[str]]:
+    """fn() in a forked child that writes its result (JSON) to `out`, or its
+    traceback to `error`, and exits at once: no engine teardown, no atexit.
+    Returns whether it succeeded and the modules it imported, in order."""
+    import tempfile
+    import traceback
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with tempfile.NamedTemporaryFile("r", prefix="oracle-imports-") as imports:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:  # whatever happens, the child never returns into the parent's loop
+                before = set(sys.modules)
+                try:
+                    out.write_text(json.dumps(fn()))
+                    code = 0
+                except BaseException:  # noqa: BLE001 - the parent reads it
+                    error.write_text(traceback.format_exc())
+                with open(imports.name, "w") as f:
+                    f.write("\n".join(m for m in list(sys.modules) if m not in before))
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not done[0]:
+            os.kill(pid, 9)
+            done = os.waitpid(pid, 0)
+            error.write_text(f"the run did not end in {RUN_TIMEOUT_S} s (writing {out.name})\n")
+        code = os.waitstatus_to_exitcode(done[1])
+        imported = imports.read().split()
+    if code < 0 and not error.exists():
+        error.write_text(f"the run's process died of signal {-code} (writing {out.name})\n")
+    return code == 0, imported
 
 
 def loopback_config(gate_on: str) -> str:

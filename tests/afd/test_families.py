@@ -3,11 +3,11 @@
 """Every supported model family through AFD, token for token (the model matrix).
 
 For each family's tiny checkpoint (tools/make_tiny_models.py): tools/oracle.py
-runs plain vLLM and then AFD with both roles in the same process (loopback:
-the FFN engine built from the same checkpoint, only its FFN modules), and the
-greedy tokens must be identical and logprobs within 1e-5. One process start
-serves every family's runs (tools/oracle.py --matrix), so a family costs
-about 5 s beyond the first. One family per FFN
+runs plain vLLM and then AFD with both roles in one process (loopback: the FFN
+engine built from the same checkpoint, only its FFN modules), and the greedy
+tokens must be identical and logprobs within 1e-5. One process start serves
+every family's runs (tools/oracle.py --matrix: each run in a child forked from
+it, never torn down), so a family costs 2-4 s beyond the first. One family per FFN
 group (MoE, dense) also runs against a real `vllm serve --afd-role ffn`
 process over shm (test_served_family_matches_plain). Qwen3-MoE and DeepSeek are
 test_oracle.py's.
