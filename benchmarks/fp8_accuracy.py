@@ -5,9 +5,9 @@
     python benchmarks/fp8_accuracy.py [--models DIR] [--model NAME ...]
         [--max-tokens 64] [--num-prompts 8] [--check] [--out-dir benchmarks/results]
 
-For each model, in one process: the oracle's prompts through plain vLLM, then
-through AFD (both roles in this process, loopback connector) with every
-transfer setting of TRANSFERS; greedy decoding, ignore_eos. Per setting:
+For each model: the oracle's prompts through plain vLLM, then through AFD
+(both roles in one process, loopback connector) with every transfer setting
+of TRANSFERS, each run in a child of this process; greedy decoding, ignore_eos. Per setting:
 token agreement (the fraction of positions where AFD's token equals plain
 vLLM's), prompts identical over all tokens, the mean position of the first
 differing token, and the largest |logprob difference| over the positions before
@@ -19,11 +19,9 @@ the bounds the README's accuracy section states. Writes OUT/fp8_accuracy.json.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -76,33 +74,67 @@ def compare(plain: list[dict], afd: list[dict]) -> dict:
 
 def measure(model: Path, max_tokens: int, num_prompts: int, port: int,
             transfers: list[str]) -> dict:
-    """Plain vLLM and the first transfer setting in this process (an engine
-    process holds one AFD attention link: later settings run in a fresh one)."""
-    from oracle import attention_backend_for, run
+    """Plain vLLM, then each transfer setting, every run in a child of this
+    process (oracle.ForkedRuns: an engine process holds one AFD attention link,
+    and none is torn down)."""
+    from oracle import ForkedRuns, attention_backend_for, run
 
     common = dict(compile_model=False, max_tokens=max_tokens, num_prompts=num_prompts,
-                  dtype="float32", attention_backend=attention_backend_for(model))
-    plain = run(str(model), None, **common)["results"]
-    gc.collect()  # the plain engine goes now, not in the middle of the next run
-    rows = {}
-    for i, name in enumerate(transfers):
-        afd_config = json.dumps({"connector": "loopback", "port": port + i, "timeout_s": 60,
-                                 "transfer_dtype": TRANSFERS[name]})
-        if i == 0:
-            afd = run(str(model), afd_config, **common)["results"]
-        else:
-            with tempfile.TemporaryDirectory() as tmp:
-                out = Path(tmp) / "afd.json"
-                backend = common["attention_backend"]
-                subprocess.run([sys.executable, str(REPO / "tools" / "oracle.py"), str(model),
-                                "--out", str(out), "--afd-config", afd_config,
-                                "--max-tokens", str(max_tokens), "--num-prompts",
-                                str(num_prompts),
-                                *(["--attention-backend", backend] if backend else [])],
-                               check=True, capture_output=True)
-                afd = json.loads(out.read_text())["results"]
-        rows[name] = compare(plain, afd)
-    return rows
+                  dtype="float32", attention_backend=attention_backend_for(model),
+                  teardown=False)
+    runs = ForkedRuns([str(model)])
+
+    def results_of(afd_config: str | None) -> list[dict]:
+        with tempfile.TemporaryDirectory() as tmp:
+            out, error = Path(tmp) / "run.json", Path(tmp) / "error.txt"
+            if not runs(lambda: run(str(model), afd_config, **common), out, error):
+                raise SystemExit(f"fp8_accuracy: {model.name}: {error.read_text()[-4000:]}")
+            return json.loads(out.read_text())["results"]
+
+    plain = results_of(None)
+    return {name: compare(plain, results_of(json.dumps({
+        "connector": "loopback", "port": port + i, "timeout_s": 60,
+        "transfer_dtype": TRANSFERS[name]}))) for i, name in enumerate(transfers)}
+
+
+def measure_side_by_side(args, names: list[str], transfers: list[str]) -> dict:
+    """One model per child of this process, side by side, each bound to its
+    own core; this process imports vLLM once for all of them."""
+    import importlib
+    import traceback
+
+    importlib.import_module("vllm")  # before the fork, not in every child
+
+    cores = sorted(os.sched_getaffinity(0))
+    children = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, name in enumerate(names):
+            out = Path(tmp) / f"{name}.json"
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[k % len(cores)])
+                    out.write_text(json.dumps(measure(
+                        args.models / name, args.max_tokens, args.num_prompts,
+                        args.port + 10 * k, transfers)))
+                    code = 0
+                except BaseException:  # noqa: BLE001 - printed; the parent fails
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            children[name] = (pid, out)
+        results = {}
+        for name, (pid, out) in children.items():
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            if code != 0 or not out.exists():
+                raise SystemExit(f"fp8_accuracy: {name} failed (exit {code})")
+            results[name] = json.loads(out.read_text())
+    return results
 
 
 def check(rows_by_model: dict) -> list[str]:
@@ -131,30 +163,11 @@ def main() -> int:
     args = ap.parse_args()
     names = args.model or ["tiny-qwen3-moe", "tiny-deepseek-v2"]
     transfers = args.transfer or list(TRANSFERS)
-    results = {}
     if len(names) == 1:
-        results[names[0]] = measure(args.models / names[0], args.max_tokens,
-                                    args.num_prompts, args.port, transfers)
+        results = {names[0]: measure(args.models / names[0], args.max_tokens,
+                                     args.num_prompts, args.port, transfers)}
     else:
-        # One model per process (an engine process holds one AFD attention
-        # link), side by side, each bound to its own core.
-        cores = sorted(os.sched_getaffinity(0))
-        procs = {}
-        for k, name in enumerate(names):
-            cmd = [sys.executable, __file__, "--models", str(args.models), "--model", name,
-                   "--max-tokens", str(args.max_tokens), "--num-prompts",
-                   str(args.num_prompts), "--port", str(args.port + 10 * k),
-                   *(f"--transfer={t}" for t in transfers)]
-            env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(cores[k % len(cores)]))
-            procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                           text=True, env=env)
-        for name, proc in procs.items():
-            out, err = proc.communicate()
-            lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
-                print(out[-2000:] + err[-4000:], file=sys.stderr)
-                raise SystemExit(f"fp8_accuracy: {name} failed (exit {proc.returncode})")
-            results[name] = json.loads(lines[-1][len("RESULT "):])["results"][name]
+        results = measure_side_by_side(args, names, transfers)
     print("| model | transfer | token agreement | identical prompts | mean first "
           "difference | max logprob diff |\n|---|---|---|---|---|---|")
     for name, rows in results.items():

@@ -140,18 +140,7 @@ def run_matrix(args) -> int:
     out = Path(args.matrix)
     out.mkdir(parents=True, exist_ok=True)
     inspect_in_parallel(args.model)
-    # Each run in a child forked from this process, which has imported vLLM and
-    # started no engine: every run starts from the same state, and its engine is
-    # never torn down. A teardown cost more than a tiny model's run: vLLM's
-    # shutdown unfreezes the gc heap (~0.7 M objects after the imports) and then
-    # collects it in full, ~0.5 s each, four times per engine with this process's
-    # own cleanup. Frozen here, the children's collections skip the imports, and
-    # leave their pages shared.
-    import gc
-    import importlib
-
-    compile_the_samplers_logprob_ranks(args.model)
-    gc.freeze()
+    runs_of = ForkedRuns(args.model)
     for model in args.model:
         name = Path(model).name
         t0 = time.monotonic()
@@ -170,19 +159,41 @@ def run_matrix(args) -> int:
                 return result
 
             # A run that fails is reported per model; the next model runs.
-            ok, imported = in_child(one_run, out / f"{name}.{kind}.json",
-                                    out / f"{name}.error.txt")
-            # What the child imported (engine, worker and model modules, torch's
-            # compiler stack: seconds), imported here once for the next children.
-            for module in imported:
-                try:
-                    importlib.import_module(module)
-                except Exception:  # noqa: BLE001 - only a speed-up
-                    pass
-            gc.freeze()
-            if not ok:
+            if not runs_of(one_run, out / f"{name}.{kind}.json", out / f"{name}.error.txt"):
                 break
     return 0
+
+
+class ForkedRuns:
+    """Engine runs, each in a child forked from this process (in_child), which
+    has imported vLLM and starts no engine itself: every run starts from the
+    same state, and none is torn down. A teardown cost more than a tiny model's
+    run: vLLM's shutdown unfreezes the gc heap (~0.7 M objects after the
+    imports) and collects it in full, ~0.5 s each, four times an engine with
+    the cleanup a next engine in the same process needs. Frozen here, the
+    children's collections skip the imports (and leave their pages shared)."""
+
+    def __init__(self, models: list[str]):
+        import gc
+
+        self._gc = gc
+        compile_the_samplers_logprob_ranks(models)
+        gc.freeze()
+
+    def __call__(self, fn, out, error) -> bool:
+        """fn() -> dict in a child: its JSON in `out`, or why it failed in `error`."""
+        import importlib
+
+        ok, imported = in_child(fn, out, error)
+        # What the child imported (engine, worker and model modules, torch's
+        # compiler stack: seconds), imported here once for the next children.
+        for module in imported:
+            try:
+                importlib.import_module(module)
+            except Exception:  # noqa: BLE001 - only a speed-up
+                pass
+        self._gc.freeze()
+        return ok
 
 
 def compile_the_samplers_logprob_ranks(models: list[str]) -> None:
