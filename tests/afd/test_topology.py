@@ -505,6 +505,11 @@ def _joint_step(loop, peers: dict, step, tokens, layers=(0, 1, 2)):
     FFN batches their calls of each layer into one."""
     from vllm.afd.transport.wire import StepHeader
 
+    # The FFN's session threads leave the batcher just after sending a step's
+    # last output: until they have, `active` still shows the step before (and
+    # the wait below would pass at once, letting one peer's first call of this
+    # step run alone, before the other's header was read).
+    _wait_for(lambda: not loop.batcher.active & set(peers), "the step before ended")
     for rank, conn in peers.items():
         conn.send_step(StepHeader(step_id=step, num_tokens=[tokens[rank]]))
     _wait_for(lambda: loop.batcher.active == set(peers), "every session inside the step")
@@ -549,6 +554,7 @@ def test_ffn_peers_join_and_leave_their_own_sessions(connector, spin_us):
         # Mid-step, rank 1's socket is cut (no goodbye, no ErrorFrame).
         from vllm.afd.transport.wire import StepHeader
 
+        _wait_for(lambda: not loop.batcher.active, "step 3 ended")  # _joint_step says why
         for rank, conn in ((0, p0), (1, p1)):
             conn.send_step(StepHeader(step_id=4, num_tokens=[tokens[rank]]))
         _wait_for(lambda: loop.batcher.active == {0, 1}, "both inside step 4")
