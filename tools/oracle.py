@@ -383,7 +383,15 @@ def main() -> int:
                          "(the choices an Intel AMX host makes, on any CPU); 'linear': only "
                          "its small-GEMM choice, SGL's packed GEMM, which runs on any "
                          "AVX512-BF16 CPU (AMX's attention and experts need the tiles)")
+    ap.add_argument("--stand-ins", metavar="DIR",
+                    help="tests: put DIR first on this process's path (and its "
+                         "subprocesses' PYTHONPATH); tests/stand_ins holds an import-only "
+                         "torchvision, which vLLM's Qwen3.5 module imports")
     args = ap.parse_args()
+    if args.stand_ins:  # here, not by PYTHONPATH: the test's preloaded process can run this
+        sys.path.insert(0, args.stand_ins)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, (args.stand_ins, os.environ.get("PYTHONPATH"))))
     if args.fake_amx:
         fake_amx(args.fake_amx)
     if args.matrix:

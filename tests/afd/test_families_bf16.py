@@ -20,7 +20,6 @@ own, with routers on either role. Qwen2-MoE and Qwen3-Next are also served with
 with AMX's linear kernel.
 """
 
-import os
 import time
 from pathlib import Path
 
@@ -56,9 +55,8 @@ def hybrid_matrix(models_dir, tmp_path_factory):
     """The hybrid families (bf16 only), each MoE one also with its routers on
     the attention role (NAME.routed.json), in one process of their own."""
     out = tmp_path_factory.mktemp("matrix-bf16-hybrid")
-    path = os.pathsep.join(filter(None, (str(STAND_INS), os.environ.get("PYTHONPATH"))))
     TIMINGS["hybrid"] = run_matrix(models_dir, out, HYBRID, DTYPE, "--gate-on", "both",
-                                   env={"PYTHONPATH": path})
+                                   "--stand-ins", str(STAND_INS))
     return out
 
 
