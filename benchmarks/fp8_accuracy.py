@@ -98,42 +98,30 @@ def measure(model: Path, max_tokens: int, num_prompts: int, port: int,
 
 
 def measure_side_by_side(args, names: list[str], transfers: list[str]) -> dict:
-    """One model per child of this process, side by side, each bound to its
-    own core; this process imports vLLM once for all of them."""
+    """One model per child of this process (oracle.Child), side by side, each
+    bound to its own core; this process imports vLLM once for all of them."""
     import importlib
-    import traceback
+
+    from oracle import Child
 
     importlib.import_module("vllm")  # before the fork, not in every child
 
+    def measure_on(core: int, k: int, name: str) -> dict:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+        return measure(args.models / name, args.max_tokens, args.num_prompts,
+                       args.port + 10 * k, transfers)
+
     cores = sorted(os.sched_getaffinity(0))
-    children = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for k, name in enumerate(names):
-            out = Path(tmp) / f"{name}.json"
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                code = 1
-                try:
-                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[k % len(cores)])
-                    out.write_text(json.dumps(measure(
-                        args.models / name, args.max_tokens, args.num_prompts,
-                        args.port + 10 * k, transfers)))
-                    code = 0
-                except BaseException:  # noqa: BLE001 - printed; the parent fails
-                    traceback.print_exc()
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
-            children[name] = (pid, out)
+        children = {name: Child(lambda k=k, name=name: measure_on(cores[k % len(cores)], k, name),
+                                Path(tmp) / f"{name}.json", Path(tmp) / f"{name}.error.txt")
+                    for k, name in enumerate(names)}
         results = {}
-        for name, (pid, out) in children.items():
-            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-            if code != 0 or not out.exists():
-                raise SystemExit(f"fp8_accuracy: {name} failed (exit {code})")
-            results[name] = json.loads(out.read_text())
+        for name, child in children.items():
+            ok, _ = child.wait(timeout_s=900)
+            if not ok:
+                raise SystemExit(f"fp8_accuracy: {name} failed: {child.error.read_text()[-4000:]}")
+            results[name] = json.loads(child.out.read_text())
     return results
 
 

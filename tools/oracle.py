@@ -15,6 +15,7 @@ and decode. The correctness oracle compares two such result files.
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -227,44 +228,60 @@ def compile_the_samplers_logprob_ranks(models: list[str]) -> None:
 RUN_TIMEOUT_S = 300  # one engine's start and 10 prompts: seconds, on any CPU here
 
 
-def in_child(fn, out, error) -> tuple[bool, list[str]]:
+class Child:
     """fn() in a forked child that writes its result (JSON) to `out`, or its
     traceback to `error`, and exits at once: no engine teardown, no atexit.
-    Returns whether it succeeded and the modules it imported, in order."""
-    import tempfile
-    import traceback
+    Started at construction; wait() for it."""
 
-    sys.stdout.flush()
-    sys.stderr.flush()
-    with tempfile.NamedTemporaryFile("r", prefix="oracle-imports-") as imports:
-        pid = os.fork()
-        if pid == 0:
+    def __init__(self, fn, out, error):
+        import tempfile
+        import traceback
+
+        self.out, self.error = out, error
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._imports = tempfile.NamedTemporaryFile("r", prefix="oracle-imports-")
+        self.pid = os.fork()
+        if self.pid == 0:
             code = 1
-            try:  # whatever happens, the child never returns into the parent's loop
+            try:  # whatever happens, the child never returns into the parent's code
                 before = set(sys.modules)
                 try:
                     out.write_text(json.dumps(fn()))
                     code = 0
                 except BaseException:  # noqa: BLE001 - the parent reads it
                     error.write_text(traceback.format_exc())
-                with open(imports.name, "w") as f:
+                with open(self._imports.name, "w") as f:
                     f.write("\n".join(m for m in list(sys.modules) if m not in before))
                 sys.stdout.flush()
                 sys.stderr.flush()
             finally:
                 os._exit(code)
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+
+    def wait(self, timeout_s: float | None = None) -> tuple[bool, list[str]]:
+        """Whether it succeeded (else `error` says why: its traceback, the
+        signal it died of, or the timeout it was killed at: RUN_TIMEOUT_S
+        unless given), and the modules it imported, in order."""
+        timeout_s = RUN_TIMEOUT_S if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while not (done := os.waitpid(self.pid, os.WNOHANG))[0] and time.monotonic() < deadline:
             time.sleep(0.01)
+        name = self.out.name
         if not done[0]:
-            os.kill(pid, 9)
-            done = os.waitpid(pid, 0)
-            error.write_text(f"the run did not end in {RUN_TIMEOUT_S} s (writing {out.name})\n")
+            os.kill(self.pid, signal.SIGKILL)
+            done = os.waitpid(self.pid, 0)
+            self.error.write_text(f"the run did not end in {timeout_s} s (writing {name})\n")
         code = os.waitstatus_to_exitcode(done[1])
-        imported = imports.read().split()
-    if code < 0 and not error.exists():
-        error.write_text(f"the run's process died of signal {-code} (writing {out.name})\n")
-    return code == 0, imported
+        with self._imports:
+            imported = self._imports.read().split()
+        if code < 0 and not self.error.exists():
+            self.error.write_text(f"the run's process died of signal {-code} (writing {name})\n")
+        return code == 0, imported
+
+
+def in_child(fn, out, error) -> tuple[bool, list[str]]:
+    """Child(fn, out, error).wait(): one run, to its end."""
+    return Child(fn, out, error).wait()
 
 
 def loopback_config(gate_on: str) -> str:
