@@ -13,8 +13,12 @@ so far). For each patch:
              conflict: regenerated from the merge;
   droppable  the new upstream already contains its change (it reverse-applies, or
              the merge changes nothing): the series can drop it;
+  reused     the merge conflicts, and every conflict has a resolution recorded
+             for this release (tools/resolutions.py): regenerated with them;
+  dropped    a drop was recorded for this release at these very conflicts;
   conflict   the merge conflicts, or a file it touches is gone upstream: the
-             conflicting files are left in `new` with git-style markers.
+             conflicting files are left in `new` with git-style markers (and the
+             recorded resolutions of some of the conflicts in place).
 
 Fuzz is never used: a patch either applies exactly or goes through the merge.
 """
@@ -27,12 +31,14 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from series import Patch, SeriesError, apply_patch, export_patch, split_patch
+from resolutions import left_out_files, parse_blocks, recorded_drop, reuse
+from series import Patch, SeriesError, apply_patch, export_patch, split_patch, without_files
 
-CLEAN, OFFSET, MERGED, DROPPABLE, CONFLICT, RESOLVED = (
-    "clean", "offset", "merged", "droppable", "conflict", "resolved")
-# Statuses that needed no hand edit.
-AUTOMATIC = (CLEAN, OFFSET, MERGED, DROPPABLE)
+CLEAN, OFFSET, MERGED, DROPPABLE, CONFLICT, RESOLVED, REUSED, DROPPED = (
+    "clean", "offset", "merged", "droppable", "conflict", "resolved", "reused", "dropped")
+# Statuses a patch can reach without a hand edit (a drop only when it was recorded
+# before: one made at --continue is marked by_hand).
+AUTOMATIC = (CLEAN, OFFSET, MERGED, DROPPABLE, REUSED, DROPPED)
 _MARKER_RE = re.compile(r"^(<<<<<<<|=======|>>>>>>>|\|\|\|\|\|\|\|)( |$)")
 
 
@@ -42,6 +48,8 @@ class Conflict:
     line: int  # 1-based line of the `<<<<<<<` marker in the prepared file
     hunk: str  # the marked region, markers included
     reason: str = "both upstream and the patch changed these lines"
+    kind: str = "hunk"  # or: gone, created, deleted (no hunk: nothing to key)
+    key: str = ""  # a hunk's key (tools/resolutions.py)
 
 
 @dataclass
@@ -54,13 +62,15 @@ class PortResult:
     conflicts: list[Conflict] = field(default_factory=list)
     missing_symbols: list[str] = field(default_factory=list)
     syntax_errors: list[str] = field(default_factory=list)
+    reused: list[str] = field(default_factory=list)  # 'id (file:line)' per resolution
+    by_hand: bool = False
 
     def to_json(self) -> dict:
         return {
             "name": self.name, "status": self.status, "files": self.files,
             "detail": self.detail, "missing_symbols": self.missing_symbols,
-            "syntax_errors": self.syntax_errors,
-            "conflicts": [vars(c) for c in self.conflicts],
+            "syntax_errors": self.syntax_errors, "reused": self.reused,
+            "by_hand": self.by_hand, "conflicts": [vars(c) for c in self.conflicts],
         }
 
 
@@ -84,6 +94,15 @@ def snapshot(tree: Path, files: list[str], dest: Path) -> dict[str, Path | None]
         else:
             out[rel] = None
     return out
+
+
+def restore(tree: Path, files: list[str], snap: Path) -> None:
+    """Undo a patch in tree: each file back to its snapshot, or gone if it had none."""
+    for rel in files:
+        if (snap / rel).exists():
+            shutil.copy2(snap / rel, tree / rel)
+        else:
+            (tree / rel).unlink(missing_ok=True)
 
 
 def _reverse_applies(tree: Path, patch: Patch) -> bool:
@@ -137,14 +156,9 @@ def resolve_adjacent(text: str) -> tuple[str, int]:
 
 
 def find_conflicts(rel: str, text: str) -> list[Conflict]:
-    out, start, lines = [], None, text.splitlines()
-    for i, line in enumerate(lines):
-        if line.startswith("<<<<<<< "):
-            start = i
-        elif line.startswith(">>>>>>> ") and start is not None:
-            out.append(Conflict(rel, start + 1, "\n".join(lines[start:i + 1])))
-            start = None
-    return out
+    lines = text.splitlines()
+    return [Conflict(rel, b.start + 1, "\n".join(lines[b.start:b.end]), key=b.key(rel))
+            for b in parse_blocks(text)]
 
 
 def syntax_errors(tree: Path, files: list[str]) -> list[str]:
@@ -172,8 +186,10 @@ def leftover_markers(tree: Path, files: list[str]) -> list[str]:
     return found
 
 
-def port_patch(patch: Patch, old: Path, new: Path, scratch: Path) -> PortResult:
-    """Advance both trees by one patch (see the module docstring)."""
+def port_patch(patch: Patch, old: Path, new: Path, scratch: Path,
+               record: dict | None = None) -> PortResult:
+    """Advance both trees by one patch (see the module docstring); record: the
+    resolutions recorded for this patch and release, if any."""
     files = sorted(set(patch.files))
     old_before = snapshot(old, files, scratch / "old-before")
     new_before = snapshot(new, files, scratch / "new-before")
@@ -198,6 +214,47 @@ def port_patch(patch: Patch, old: Path, new: Path, scratch: Path) -> PortResult:
         return PortResult(patch.name, DROPPABLE, files,
                           detail=f"already in the new upstream ({why})")
 
+    merged, conflicts, adjacent = _merge_files(patch.name, files, old, old_before, new_before)
+    resolved, reused = {}, []
+    for rel, text in merged.items():
+        resolved[rel], hits = reuse(rel, text, record)
+        reused += hits
+        conflicts += find_conflicts(rel, resolved[rel])
+    conflicts.sort(key=lambda c: (c.file, c.line))
+    left_out = left_out_files(record, conflicts)
+    if left_out:  # files gone upstream that a human left out of the patch before
+        conflicts = [c for c in conflicts if not (c.kind == "gone" and c.file in left_out)]
+        reused += [f"{rel} left out ({why})" for rel, why in sorted(left_out.items())]
+        patch = without_files(patch, set(left_out))
+    dropped = recorded_drop(record, conflicts)
+    if dropped is not None:  # decided before `new` is touched: it stays as it was
+        return PortResult(patch.name, DROPPED, files, detail=f"recorded drop: {dropped}",
+                          conflicts=conflicts)
+
+    _write_texts(new, resolved)
+    if conflicts:
+        # What --continue records the hand resolution against (tools/resolutions.py).
+        _write_texts(scratch / "merged", merged)
+        _write_texts(scratch / "preimage", resolved)
+        where = ", ".join(f"{c.file}:{c.line}" for c in conflicts)
+        return PortResult(patch.name, CONFLICT, files, conflicts=conflicts, reused=reused,
+                          detail=f"{len(conflicts)} conflict(s) at {where}")
+    if all(new_before[rel] is not None and resolved[rel] == new_before[rel].read_text()
+           for rel in patch.files):
+        return PortResult(patch.name, DROPPABLE, files,
+                          detail="the three-way merge changes nothing: already upstream")
+    text = export_patch(patch, new_before, new)
+    notes = [f"reused resolution(s) {', '.join(reused)}"] if reused else []
+    if adjacent:
+        notes.append(f"{adjacent} adjacent edit(s) kept side by side")
+    return PortResult(patch.name, REUSED if reused else MERGED, files, text=text,
+                      reused=reused, detail="; ".join(notes))
+
+
+def _merge_files(name: str, files: list[str], old: Path, old_before: dict[str, Path | None],
+                 new_before: dict[str, Path | None]) -> tuple[dict[str, str], list[Conflict], int]:
+    """Three-way merge each file: (merged texts, the conflicts that have no merged
+    text, adjacent edits settled)."""
     merged: dict[str, str] = {}
     conflicts: list[Conflict] = []
     adjacent = 0
@@ -207,38 +264,31 @@ def port_patch(patch: Patch, old: Path, new: Path, scratch: Path) -> PortResult:
         if base is None:  # the patch creates this file
             if theirs is not None:
                 conflicts.append(Conflict(rel, 1, "", "the patch creates this file, and the "
-                                          "new upstream has it too"))
+                                          "new upstream has it too", kind="created"))
             else:
                 merged[rel] = ours.read_text()
             continue
         if theirs is None:
             conflicts.append(Conflict(rel, 0, "", "the file is gone from the new upstream "
-                                      "(moved or deleted): port the patch by hand"))
+                                      "(moved or deleted): port the patch by hand, or drop "
+                                      "it", kind="gone"))
             continue
         if not ours.exists():
-            conflicts.append(Conflict(rel, 0, "", "the patch deletes this file"))
+            conflicts.append(Conflict(rel, 0, "", "the patch deletes this file",
+                                      kind="deleted"))
             continue
-        text, n = _merge_file(theirs, base, ours, patch.name)
+        text, n = _merge_file(theirs, base, ours, name)
         if n:
             text, settled = resolve_adjacent(text)
             adjacent += settled
-            conflicts.extend(find_conflicts(rel, text))
         merged[rel] = text
+    return merged, conflicts, adjacent
 
-    for rel, text in merged.items():
-        (new / rel).parent.mkdir(parents=True, exist_ok=True)
-        (new / rel).write_text(text)
-    if conflicts:
-        where = ", ".join(f"{c.file}:{c.line}" for c in conflicts)
-        return PortResult(patch.name, CONFLICT, files, conflicts=conflicts,
-                          detail=f"{len(conflicts)} conflict(s) at {where}")
-    if all(new_before[rel] is not None and merged[rel] == new_before[rel].read_text()
-           for rel in files):
-        return PortResult(patch.name, DROPPABLE, files,
-                          detail="the three-way merge changes nothing: already upstream")
-    text = export_patch(patch, new_before, new)
-    return PortResult(patch.name, MERGED, files, text=text,
-                      detail=f"{adjacent} adjacent edit(s) kept side by side" if adjacent else "")
+
+def _write_texts(tree: Path, texts: dict[str, str]) -> None:
+    for rel, text in texts.items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(text)
 
 
 def finish_by_hand(patch: Patch, result: PortResult, new: Path, new_before_dir: Path) -> None:
@@ -248,7 +298,11 @@ def finish_by_hand(patch: Patch, result: PortResult, new: Path, new_before_dir: 
         raise SeriesError("conflict markers are still in the tree:\n  " + "\n  ".join(left))
     before = {rel: (new_before_dir / rel if (new_before_dir / rel).exists() else None)
               for rel in result.files}
-    result.text = export_patch(patch, before, new)
-    result.status = RESOLVED
+    # A file gone upstream and still absent was left out of the patch.
+    left_out = {c.file for c in result.conflicts
+                if c.kind == "gone" and not (new / c.file).exists()}
+    result.text = export_patch(without_files(patch, left_out), before, new)
+    result.status, result.by_hand = RESOLVED, True
     where = ", ".join(f"{c.file}:{c.line}" for c in result.conflicts)
-    result.detail = f"conflict resolved by hand ({where})"
+    result.detail = f"conflict resolved by hand ({where})" + (
+        f"; reused resolution(s) {', '.join(result.reused)}" if result.reused else "")

@@ -3,8 +3,8 @@
 """Carry the patch series to a new vLLM release in one command.
 
     python tools/rebase.py VERSION [--flavor cpu|cuda ...] [--write]
-    python tools/rebase.py --continue | --abort
-    (make rebase VERSION=0.33.0 [FLAVOR=cuda] [WRITE=1])
+    python tools/rebase.py --continue [--drop REASON] | --abort
+    (make rebase VERSION=0.33.0 [FLAVOR=cuda] [WRITE=1], CONTINUE=1 [DROP=REASON])
 
 Per flavor: the pinned base wheel and the new release of the same distribution are
 unpacked side by side (build/rebase/<flavor>/{old,new}); every patch of the series
@@ -14,11 +14,15 @@ exist is reported, not failed. The common patches are ported once, on the first
 flavor, and must then apply exactly to the other flavors.
 
 On a conflict the run stops at that patch: the conflicting files, with markers,
-are in build/rebase/<flavor>/new; fix them and run --continue (or --abort).
+are in build/rebase/<flavor>/new; fix them and run --continue (or drop the patch
+with --continue --drop REASON, or give up with --abort). --continue records the
+resolution or the drop in patches/resolutions/<version>/ (tools/resolutions.py),
+and a later run to the same release reuses it instead of stopping.
 At the end, build/rebase/report.{md,json} hold the per-patch report and the
-burden before and after. Nothing outside build/rebase changes unless --write is
-given: then the refreshed patches and series are written to patches/, and
-upstream.toml moves to the new release only if every flavor of the pin has it.
+burden before and after. Nothing else outside build/rebase changes unless --write
+is given: then, if every flavor of the pin has the release, the refreshed series
+is written over patches/ and upstream.toml moves; otherwise the pin stays and the
+series goes to patches/next/<version>/.
 """
 
 from __future__ import annotations
@@ -36,12 +40,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from forward_port import (  # noqa: E402
-    AUTOMATIC, CONFLICT, DROPPABLE, RESOLVED, Conflict, PortResult, changed_lines,
-    finish_by_hand, port_patch, syntax_errors,
+    CONFLICT, DROPPABLE, DROPPED, Conflict, PortResult, finish_by_hand, port_patch,
+    restore, syntax_errors,
 )
-from rebase_report import render_report, update_pin  # noqa: E402
+from rebase_report import (  # noqa: E402
+    render_report, summarize, update_pin, write_in_place, write_next,
+)
+from resolutions import (  # noqa: E402
+    conflict_signature, load_record, record_path, record_stop, save_record,
+)
 from series import (  # noqa: E402
-    Patch, SeriesError, apply_patch, load_patch, read_series, series_files,
+    Patch, SeriesError, apply_patch, load_patch, parse_fields, read_series, series_files,
+    split_patch,
 )
 from upstream import (  # noqa: E402
     REPO_ROOT, PinError, _wheel_tags, cache_dir, fetch_base_wheel, load_pin, sha256_file,
@@ -55,11 +65,14 @@ class RebaseError(RuntimeError):
     pass
 
 
-def missing_symbols(tree: Path, patch: Patch) -> list[str]:
-    """Upstream-Symbols entries of the patch that the new tree no longer has."""
+def missing_symbols(tree: Path, result: PortResult) -> list[str]:
+    """Upstream-Symbols entries of the ported patch (its header as carried: a file
+    left out takes its symbols along) that the new tree does not have."""
     from check_series import _symbol_found
 
-    return [s for s in patch.symbols if not _symbol_found(tree, s)]
+    fields = parse_fields(split_patch(result.text or "")[0])
+    symbols = fields.get("Upstream-Symbols", "").replace(",", " ").split()
+    return [s for s in symbols if not _symbol_found(tree, s)]
 
 
 def find_release(distribution: str, version: str, platform: str,
@@ -218,23 +231,33 @@ class Rebase:
         first = self.state["ported"].get(name)
         if first is not None and first != flavor:
             return self._reuse(patch, flavor, first, scratch)
-        if self._dropped_elsewhere(name, flavor):
+        gone = self._dropped_elsewhere(name, flavor)
+        if gone is not None:
             apply_patch(fdir / "old", patch)
-            return PortResult(name, DROPPABLE, sorted(set(patch.files)),
-                              detail="droppable on the first flavor")
-        result = port_patch(patch, fdir / "old", fdir / "new", scratch)
-        if result.status not in (CONFLICT, DROPPABLE):
-            result.missing_symbols = missing_symbols(fdir / "new", patch)
+            return PortResult(name, gone["status"], sorted(set(patch.files)),
+                              detail=f"{gone['status']} on {gone['flavor']}: {gone['detail']}")
+        result = port_patch(patch, fdir / "old", fdir / "new", scratch,
+                            load_record(self._record_path(name), name))
+        if result.status not in (CONFLICT, DROPPABLE, DROPPED):
+            result.missing_symbols = missing_symbols(fdir / "new", result)
             result.syntax_errors = syntax_errors(fdir / "new", result.files)
         print(f"[rebase] {flavor}: {name}: {result.status}"
               + (f" ({result.detail})" if result.detail else ""), file=sys.stderr)
         return result
 
-    def _dropped_elsewhere(self, name: str, flavor: str) -> bool:
+    def _dropped_elsewhere(self, name: str, flavor: str) -> dict | None:
+        """A common patch's result on the flavor that dropped it (or found it
+        upstream), with that flavor's name; None if no flavor did."""
         if not self._is_common(name):
-            return False
-        return any(r.get(name, {}).get("status") == DROPPABLE
-                   for f, r in self.state["results"].items() if f != flavor)
+            return None
+        for f, results in self.state["results"].items():
+            r = results.get(name, {})
+            if f != flavor and r.get("status") in (DROPPABLE, DROPPED):
+                return dict(r, flavor=f)
+        return None
+
+    def _record_path(self, name: str) -> Path:
+        return record_path(self.root, self.state["version"], name)
 
     def _reuse(self, patch: Patch, flavor: str, first: str, scratch: Path) -> PortResult:
         """A common patch already ported on another flavor must apply here exactly."""
@@ -252,7 +275,7 @@ class Rebase:
                               f"{flavor} tree; the common files differ between flavors:\n{e}")
         base = self.state["results"][first][patch.name]
         return PortResult(patch.name, base["status"], base["files"], text=text,
-                          detail=f"as ported on {first}")
+                          detail=f"as ported on {first}", reused=base["reused"])
 
     def _print_stop(self, flavor: str, idx: int, result: PortResult, tree: Path) -> None:
         n = len(self.state["flavors"][flavor]["series"])
@@ -263,31 +286,57 @@ class Rebase:
             print(f"  {c.file}:{c.line}: {c.reason}")
             if c.hunk:
                 print("    " + c.hunk.replace("\n", "\n    "))
+        if result.reused:
+            print(f"[rebase] recorded resolution(s) already in place: {', '.join(result.reused)}")
         print("[rebase] fix those files (remove every marker), then run "
-              "`make rebase CONTINUE=1` (tools/rebase.py --continue), or give up with "
-              "`make rebase ABORT=1` (tools/rebase.py --abort).")
+              "`make rebase CONTINUE=1` (tools/rebase.py --continue); or drop the patch "
+              "from the new series with `make rebase CONTINUE=1 DROP=\"why\"` "
+              "(--continue --drop WHY); or give up with `make rebase ABORT=1` (--abort).")
 
-    def continue_(self) -> None:
+    def continue_(self, drop: str | None = None, why: str | None = None) -> None:
+        """Finish the stopped patch: regenerate it from the hand edit, or drop it
+        (reason `drop`); either way recorded in patches/resolutions at once."""
         stopped = self.state.get("stopped_at")
         if not stopped:
+            if drop is not None:
+                raise RebaseError("the rebase is not stopped at a patch: nothing to drop")
             return
         flavor, name = stopped.split(": ", 1)
         entry = self.state["flavors"][flavor]
         idx = entry["next"]
-        fdir = self.work / flavor
+        fdir, snap = self.work / flavor, self.work / flavor / "snap" / f"{idx:03d}"
         raw = self.state["results"][flavor][name]
-        result = PortResult(name, raw["status"], raw["files"], raw["detail"])
+        result = PortResult(name, raw["status"], raw["files"], raw["detail"],
+                            reused=raw.get("reused", []))
         result.conflicts = [Conflict(**c) for c in raw["conflicts"]]
-        finish_by_hand(self._patch(name), result, fdir / "new",
-                       fdir / "snap" / f"{idx:03d}" / "new-before")
-        result.missing_symbols = missing_symbols(fdir / "new", self._patch(name))
-        result.syntax_errors = syntax_errors(fdir / "new", result.files)
+        path = self._record_path(name)
+        record = load_record(path, name)
+        if drop is None:
+            finish_by_hand(self._patch(name), result, fdir / "new", snap / "new-before")
+            notes = record_stop(record, result.files, result.conflicts, snap, fdir / "new",
+                                why)
+            result.missing_symbols = missing_symbols(fdir / "new", result)
+            result.syntax_errors = syntax_errors(fdir / "new", result.files)
+            (fdir / "ported").mkdir(exist_ok=True)
+            (fdir / "ported" / name.replace("/", "__")).write_text(result.text)
+            if self._is_common(name):
+                self.state["ported"].setdefault(name, flavor)
+        else:
+            # The old tree keeps the patch (later patches were written on top of
+            # it); the new tree goes back to where it was before this patch.
+            restore(fdir / "new", result.files, snap / "new-before")
+            record["drop"] = {"reason": drop,
+                              "conflicts": conflict_signature(result.conflicts)}
+            result.status, result.by_hand = DROPPED, True
+            result.detail = f"dropped by hand: {drop}"
+            notes = ["recorded the drop"]
+        save_record(path, record)
+        rel = path.relative_to(self.root)
+        self.state.setdefault("recorded", []).append(str(rel))
         print(f"[rebase] {flavor}: {name}: {result.detail}", file=sys.stderr)
+        for note in notes:
+            print(f"[rebase]   {rel}: {note}", file=sys.stderr)
         self.state["results"][flavor][name] = result.to_json()
-        (fdir / "ported").mkdir(exist_ok=True)
-        (fdir / "ported" / name.replace("/", "__")).write_text(result.text)
-        if self._is_common(name):
-            self.state["ported"].setdefault(name, flavor)
         entry["next"] = idx + 1
         self.state.pop("stopped_at")
         self.save()
@@ -305,81 +354,45 @@ class Rebase:
         return report
 
     def summary(self) -> dict:
-        patches_dir = self.root / "patches"
-        flavors = {}
-        for flavor, entry in self.state["flavors"].items():
-            if entry["missing"]:
-                flavors[flavor] = {"missing": True, "distribution": entry["distribution"]}
-                continue
-            rows, before, after, kept = [], 0, 0, 0
-            for name in entry["series"]:
-                r = self.state["results"][flavor][name]
-                old_text = (patches_dir / name).read_text()
-                new_text = self._ported_text(flavor, name)
-                before += changed_lines(old_text)
-                if r["status"] != DROPPABLE:
-                    kept += 1
-                    after += changed_lines(new_text)
-                rows.append(dict(r, lines_before=changed_lines(old_text),
-                                 lines_after=changed_lines(new_text) if new_text else 0))
-            auto = sum(r["status"] in AUTOMATIC for r in rows)
-            flavors[flavor] = {
-                "missing": False, "distribution": entry["distribution"],
-                "old_wheel": entry["old_wheel"], "new_wheel": entry["new_wheel"],
-                "new_sha256": entry["new_sha256"], "patches": rows,
-                "burden": {"patches_before": len(rows), "patches_after": kept,
-                           "lines_before": before, "lines_after": after},
-                "counts": {s: sum(r["status"] == s for r in rows)
-                           for s in ("clean", "offset", "merged", "droppable", RESOLVED)},
-                "without_hand_edits": auto / len(rows) if rows else 1.0,
-            }
-        return {"version": self.state["version"], "old_version": self.state["old_version"],
-                "flavors": flavors}
+        return summarize(self.state, self.root / "patches", self._ported_text)
 
     def _ported_text(self, flavor: str, name: str) -> str:
         p = self.work / flavor / "ported" / name.replace("/", "__")
         return p.read_text() if p.exists() else ""
 
     def write(self) -> dict:
-        """Write the refreshed series (and, if every flavor has the release, the pin)."""
+        """Write the refreshed series: over patches/ when every flavor of the pin has
+        the release (and move the pin), else to patches/next/<version>/ (the pin
+        cannot move, and the pinned build must keep its series)."""
         patches_dir = self.root / "patches"
         today = datetime.date.today().isoformat()
-        written, dropped = [], []
+        texts, gone = {}, []
         for flavor, entry in self.state["flavors"].items():
             if entry["missing"]:
                 continue
             for name in entry["series"]:
                 r = self.state["results"][flavor][name]
-                if r["status"] == DROPPABLE:
-                    if name not in dropped:
-                        dropped.append(name)
+                if r["status"] in (DROPPABLE, DROPPED):
+                    if name not in gone:
+                        gone.append(name)
                     continue
                 text = self._ported_text(flavor, name)
                 if r["status"] not in ("clean", "offset"):  # content changed
                     text = re.sub(r"^Last-Update: .*$", f"Last-Update: {today}", text,
                                   count=1, flags=re.M)
-                if (patches_dir / name).read_text() != text:
-                    (patches_dir / name).write_text(text)
-                    if name not in written:
-                        written.append(name)
-        for name in dropped:
-            for sf in series_files(patches_dir, None) + [
-                    patches_dir / f"series.{f}" for f in self.state["flavors"]]:
-                if sf.exists() and name in read_series(sf):
-                    sf.write_text("".join(
-                        line for line in sf.read_text().splitlines(keepends=True)
-                        if line.split("#", 1)[0].strip() != name))
-            (patches_dir / name).unlink(missing_ok=True)
+                texts[name] = text
         pin = load_pin(self.root)
         missing = [f for f in pin.flavors
                    if f not in self.state["flavors"] or self.state["flavors"][f]["missing"]]
-        moved = False
-        if not missing:
-            update_pin(self.root / "upstream.toml", self.state["version"], {
-                f: (e["new_wheel"], e["new_sha256"]) for f, e in self.state["flavors"].items()})
-            moved = True
-        return {"patches": written, "dropped": dropped, "pin_moved": moved,
-                "pin_missing_flavors": missing}
+        out = {"dropped": gone, "pin_moved": not missing, "pin_missing_flavors": missing}
+        if missing:
+            flavors = [f for f, e in self.state["flavors"].items() if not e["missing"]]
+            dest = write_next(patches_dir, self.state["version"], texts, flavors)
+            return dict(out, patches=list(texts), series_dir=str(dest.relative_to(self.root)))
+        written = write_in_place(patches_dir, texts, gone, list(self.state["flavors"]))
+        update_pin(self.root / "upstream.toml", self.state["version"], {
+            f: (e["new_wheel"], e["new_sha256"]) for f, e in self.state["flavors"].items()})
+        return dict(out, patches=written, series_dir="patches")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -392,12 +405,20 @@ def main(argv: list[str] | None = None) -> int:
                          "has the release) at the end")
     ap.add_argument("--continue", dest="cont", action="store_true",
                     help="resume after fixing a conflict by hand")
+    ap.add_argument("--drop", metavar="REASON",
+                    help="with --continue: drop the stopped patch from the new series "
+                         "(recorded, with the reason, for later runs to the same release)")
+    ap.add_argument("--why", metavar="REASON",
+                    help="with --continue: why a file gone upstream was left out of the "
+                         "patch (recorded with the resolution)")
     ap.add_argument("--abort", action="store_true", help="drop the rebase in progress")
     ap.add_argument("--find-links", type=Path,
                     help="look for new releases only in this directory (no index)")
     ap.add_argument("--root", type=Path, default=REPO_ROOT)
     args = ap.parse_args(argv)
     root = args.root.resolve()
+    if args.drop is not None and (not args.cont or not args.drop.strip()):
+        ap.error("--drop REASON goes with --continue, and needs a reason")
     try:
         if args.abort:
             Rebase.resume(root).abort()
@@ -405,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cont:
             rb = Rebase.resume(root)
-            rb.continue_()
+            rb.continue_(args.drop, args.why)
             write = args.write or rb.state.get("write", False)
         else:
             if not args.version:
@@ -422,10 +443,12 @@ def main(argv: list[str] | None = None) -> int:
     print((root / WORKDIR / "report.md").read_text())
     if write:
         w = report["written"]
-        print(f"[rebase] wrote {len(w['patches'])} patch(es), dropped {len(w['dropped'])}; "
+        print(f"[rebase] wrote {len(w['patches'])} patch(es) to {w['series_dir']}/, "
+              f"dropped {len(w['dropped'])}; "
               + ("upstream.toml moved to " + report["version"] if w["pin_moved"] else
                  f"upstream.toml NOT moved: no {report['version']} release for "
-                 f"{', '.join(w['pin_missing_flavors'])} (the series is ready for it)"))
+                 f"{', '.join(w['pin_missing_flavors'])}; patches/ is unchanged, the "
+                 f"series for {report['version']} waits in {w['series_dir']}/"))
     return 0
 
 

@@ -1,20 +1,62 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""The rebase report (markdown) and the pin update that --write makes."""
+"""The rebase report (the summary, its markdown) and what --write makes: the
+series (over patches/, or in patches/next/<version>/) and the pin update."""
 
 from __future__ import annotations
 
 import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
+
+from forward_port import AUTOMATIC, DROPPABLE, DROPPED, changed_lines
+from series import read_series
 
 _STATUS_WORDS = {
     "clean": "applies as-is",
     "offset": "applies at fuzz 0 with moved line numbers; regenerated",
     "merged": "three-way merged without conflict; regenerated",
-    "droppable": "now upstream: drop it",
+    "reused": "conflicted; recorded resolution reused",
     "resolved": "conflicted; resolved by hand",
+    "dropped": "dropped from the series",
+    "droppable": "now upstream: drop it",
     "conflict": "conflict (unresolved)",
 }
+# The statuses a finished run counts (a conflict never finishes).
+STATUSES = [s for s in _STATUS_WORDS if s != "conflict"]
+
+
+def summarize(state: dict, patches_dir: Path, ported: Callable[[str, str], str]) -> dict:
+    """The report of a finished run (state: tools/rebase.py's); ported(flavor, name)
+    is the patch as carried over, "" if it was not."""
+    flavors = {}
+    for flavor, entry in state["flavors"].items():
+        if entry["missing"]:
+            flavors[flavor] = {"missing": True, "distribution": entry["distribution"]}
+            continue
+        rows, before, after, kept = [], 0, 0, 0
+        for name in entry["series"]:
+            r = state["results"][flavor][name]
+            old_text, new_text = (patches_dir / name).read_text(), ported(flavor, name)
+            before += changed_lines(old_text)
+            if r["status"] not in (DROPPABLE, DROPPED):
+                kept += 1
+                after += changed_lines(new_text)
+            rows.append(dict(r, lines_before=changed_lines(old_text),
+                             lines_after=changed_lines(new_text) if new_text else 0))
+        auto = sum(r["status"] in AUTOMATIC and not r.get("by_hand") for r in rows)
+        flavors[flavor] = {
+            "missing": False, "distribution": entry["distribution"],
+            "old_wheel": entry["old_wheel"], "new_wheel": entry["new_wheel"],
+            "new_sha256": entry["new_sha256"], "patches": rows,
+            "burden": {"patches_before": len(rows), "patches_after": kept,
+                       "lines_before": before, "lines_after": after},
+            "counts": {s: sum(r["status"] == s for r in rows) for s in STATUSES},
+            "without_hand_edits": auto / len(rows) if rows else 1.0,
+        }
+    return {"version": state["version"], "old_version": state["old_version"],
+            "flavors": flavors, "recorded": state.get("recorded", [])}
 
 
 def render_report(report: dict) -> str:
@@ -30,7 +72,8 @@ def render_report(report: dict) -> str:
             f"## Flavor `{flavor}`: {f['old_wheel']} → {f['new_wheel']}", "",
             f"- new wheel sha256: `{f['new_sha256']}`",
             f"- {c['clean']} applied as-is, {c['offset']} with moved line numbers, "
-            f"{c['merged']} three-way merged, {c['resolved']} resolved by hand, "
+            f"{c['merged']} three-way merged, {c['reused']} with a recorded resolution, "
+            f"{c['resolved']} resolved by hand, {c['dropped']} dropped, "
             f"{c['droppable']} now upstream",
             f"- carried over without hand edits: {f['without_hand_edits']:.0%}",
             f"- burden: {b['patches_before']} patches, {b['lines_before']} upstream lines "
@@ -45,10 +88,51 @@ def render_report(report: dict) -> str:
                 notes += f"; does not parse: {', '.join(r['syntax_errors'])}"
             if r["missing_symbols"]:
                 notes += f"; Upstream-Symbols not found: {', '.join(r['missing_symbols'])}"
+            notes = notes.replace("|", "\\|")  # a drop reason may hold one
             out.append(f"| {i} | `{r['name']}` | {_STATUS_WORDS[r['status']]} | "
                        f"{r['lines_before']} → {r['lines_after']} | {notes} |")
         out.append("")
+    if report["recorded"]:
+        out += ["Recorded at --continue (review them in git with the series): "
+                + ", ".join(f"`{p}`" for p in sorted(set(report["recorded"]))), ""]
     return "\n".join(out)
+
+
+def write_in_place(patches_dir: Path, texts: dict[str, str], gone: list[str],
+                   flavors: list[str]) -> list[str]:
+    """The refreshed series over patches/: each patch whose bytes changed, and the
+    gone ones (dropped, or now upstream) out of their series file and deleted.
+    Returns the patches written."""
+    written = []
+    for name, text in texts.items():
+        if (patches_dir / name).read_text() != text:
+            (patches_dir / name).write_text(text)
+            written.append(name)
+    for name in gone:
+        for sf in [patches_dir / "series"] + [patches_dir / f"series.{f}" for f in flavors]:
+            if sf.exists() and name in read_series(sf):
+                sf.write_text("".join(
+                    line for line in sf.read_text().splitlines(keepends=True)
+                    if line.split("#", 1)[0].strip() != name))
+        (patches_dir / name).unlink(missing_ok=True)
+    return written
+
+
+def write_next(patches_dir: Path, version: str, texts: dict[str, str],
+               flavors: list[str]) -> Path:
+    """The refreshed series in patches/next/<version>/ (the patches under their own
+    names, `series` and `series.<flavor>` in order, without the gone ones), for a pin
+    that cannot move yet: patches/ stays the pinned build's. Returns the directory."""
+    dest = patches_dir / "next" / version
+    if dest.exists():
+        shutil.rmtree(dest)
+    for name, text in texts.items():
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        (dest / name).write_text(text)
+    for sf in ["series"] + [f"series.{f}" for f in flavors]:
+        names = [n for n in read_series(patches_dir / sf) if n in texts]
+        (dest / sf).write_text("".join(n + "\n" for n in names))
+    return dest
 
 
 def _set_in_section(text: str, section: str, key: str, value: str) -> str:

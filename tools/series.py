@@ -181,8 +181,38 @@ def unified_diff(old: Path | None, new: Path, rel: str) -> str:
 
 
 def export_patch(patch: Patch, before: dict[str, Path | None], after: Path) -> str:
-    """Re-export a patch: its header plus the diff from the `before` files to tree `after`."""
+    """Re-export a patch: its header plus the diff from the `before` files to tree
+    `after` (a file absent from both, left out of a forward port, has none)."""
     body = "".join(
         unified_diff(before[rel], after / rel, rel) for rel in sorted(set(patch.files))
+        if before[rel] is not None or (after / rel).exists()
     )
     return patch.header_text + body
+
+
+def without_files(patch: Patch, left_out: set[str]) -> Patch:
+    """The patch without these files: they leave its file list, and the
+    Upstream-Symbols entries in their modules leave its header."""
+    modules = {rel.removesuffix(".py").replace("/", ".") for rel in left_out}
+
+    def kept(symbol: str) -> bool:
+        return not any(symbol == m or symbol.startswith(m + ".") for m in modules)
+
+    lines, out, in_field = patch.header_text.splitlines(keepends=True), [], False
+    for line in lines:
+        if line.startswith("Upstream-Symbols:"):
+            in_field = True
+            tokens = [t for t in line.split(":", 1)[1].split() if kept(t)]
+            out.append("Upstream-Symbols: " + " ".join(tokens) + "\n")
+        elif in_field and line[:1] in (" ", "\t") and line.strip():
+            tokens = [t for t in line.split() if kept(t)]
+            if tokens and out[-1].rstrip() == "Upstream-Symbols:":
+                out[-1] = "Upstream-Symbols: " + " ".join(tokens) + "\n"
+            elif tokens:
+                out.append(" " + " ".join(tokens) + "\n")
+        else:
+            in_field = False
+            out.append(line)
+    header = "".join(out)
+    return Patch(patch.name, patch.path, header, parse_fields(header),
+                 [f for f in patch.files if f not in left_out])

@@ -3,12 +3,15 @@
 """tools/rebase.py on small fixture upstreams built here: three releases of a
 six-file `vllm` package, wheels of two flavors, and a series of six patches (five
 common, one cuda) that meet every case: clean, offset, three-way merge, adjacent
-edits, now upstream, real conflict."""
+edits, now upstream, real conflict; and the resolutions that are kept (a hand
+resolution reused, a recorded drop, the series of a pin that cannot move)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
+import shutil
 import subprocess
 import zipfile
 from pathlib import Path
@@ -16,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import rebase
+from resolutions import parse_blocks, reuse
 from series import apply_patch, load_patch, read_series
 
 PLATFORM = "manylinux_2_28_x86_64"
@@ -165,6 +169,12 @@ def project(tmp_path, monkeypatch) -> Path:
     return root
 
 
+def _publish(project: Path, version: str, files: dict[str, str]) -> None:
+    """Put (or replace) a cuda-only release in the index; the cache forgets it."""
+    w = _wheel(project.parent / "index", DISTS["cuda"], version, files)
+    (project.parent / "cache" / w.name).unlink(missing_ok=True)
+
+
 def run(root: Path, *args: str) -> int:
     return rebase.main(["--root", str(root), "--find-links", str(root.parent / "index"),
                         *args])
@@ -284,13 +294,15 @@ def test_conflict_stops_with_file_line_and_continue_resumes(project, capsys):
     assert s["feat_engine_ffn_mode.patch"] == "conflicted; resolved by hand"
     assert s["feat_serve_ffn_role.patch"] == "three-way merged without conflict; regenerated"
     assert "carried over without hand edits: 83%" in report
-    engine = (project / "patches/feat_engine_ffn_mode.patch").read_text()
+    # The pin does not move (cpu has no 3.0.0, and was not rebased here either):
+    # the series goes to patches/next/3.0.0, patches/ stays the pinned build's.
+    assert 'version = "1.0.0"' in (project / "upstream.toml").read_text()
+    assert (project / "patches/feat_engine_ffn_mode.patch").read_text() == before
+    engine = (project / "patches/next/3.0.0/feat_engine_ffn_mode.patch").read_text()
     assert "-        out = self.run(block=True)\n" in engine
     assert "+        out = self.run(block=True)  # AFD: the FFN role runs no scheduler" in engine
-    serve = (project / "patches/feat_serve_ffn_role.patch").read_text()
+    serve = (project / "patches/next/3.0.0/feat_serve_ffn_role.patch").read_text()
     assert "+        return serve_ffn(args)\n     start(host, port, backlog=128)" in serve
-    # The pin does not move: cpu has no 3.0.0 (not rebased here either).
-    assert 'version = "1.0.0"' in (project / "upstream.toml").read_text()
 
 
 def test_abort_leaves_nothing(project, capsys):
@@ -299,3 +311,173 @@ def test_abort_leaves_nothing(project, capsys):
     assert not (project / "build/rebase").exists()
     assert run(project, "--continue") == 2
     assert "no rebase in progress" in capsys.readouterr().err
+
+
+# -- resolutions that are kept ------------------------------------------------------
+RESOLVED_LINE = "        out = self.run(block=True)  # AFD: the FFN role runs no scheduler\n"
+ENGINE_RECORD = "patches/resolutions/3.0.0/feat_engine_ffn_mode.json"
+
+
+def _stop_and_resolve(project: Path, *args: str, also: tuple[str, str] | None = None) -> str:
+    """Run to 3.0.0 (cuda) to the engine conflict and resolve it in the new tree
+    (plus, with `also`, one edit outside the conflict). Returns the merged file."""
+    assert run(project, "3.0.0", "--flavor", "cuda", *args) == 1
+    engine = project / "build/rebase/cuda/new/vllm/engine.py"
+    merged = engine.read_text()
+    fixed = re.sub(r"<<<<<<< new upstream\n.*?>>>>>>> [^\n]*\n", RESOLVED_LINE, merged,
+                   flags=re.S)
+    engine.write_text(fixed.replace(*also) if also else fixed)
+    return merged
+
+
+def test_hand_resolution_is_recorded_and_reused(project, capsys):
+    merged = _stop_and_resolve(project, "--write")
+    assert run(project, "--continue") == 0
+    [block] = parse_blocks(merged)
+    key = block.key("vllm/engine.py")
+    record = json.loads((project / ENGINE_RECORD).read_text())
+    assert record["hunks"] == {key: {
+        "file": "vllm/engine.py", "upstream": ["        out = self.run(block=True)"],
+        "base": ["        out = self.run()"],
+        "patch": ["        out = self.run()  # AFD: the FFN role runs no scheduler"],
+        "resolution": [RESOLVED_LINE.rstrip("\n")]}}
+    assert record["files"] == {} and "drop" not in record
+    by_hand = (project / "patches/next/3.0.0/feat_engine_ffn_mode.patch").read_text()
+    capsys.readouterr()
+
+    # From a clean build/rebase: no stop, the recorded resolution is reused.
+    shutil.rmtree(project / "build/rebase")
+    assert run(project, "3.0.0", "--flavor", "cuda", "--write") == 0
+    report = (project / "build/rebase/report.md").read_text()
+    assert statuses(report)["feat_engine_ffn_mode.patch"] == \
+        "conflicted; recorded resolution reused"
+    assert f"reused resolution(s) {key[:12]} (vllm/engine.py:{block.start + 1})" in report
+    assert "carried over without hand edits: 100%" in report
+    row = json.loads((project / "build/rebase/report.json").read_text())[
+        "flavors"]["cuda"]["patches"][1]
+    assert row["status"] == "reused" and not row["missing_symbols"]
+    assert (project / "patches/next/3.0.0/feat_engine_ffn_mode.patch").read_text() == by_hand
+
+
+def test_hand_edit_outside_the_conflict_records_the_whole_file(project, capsys):
+    _stop_and_resolve(project, also=("import os\n", "import os  # AFD: engine roles\n"))
+    assert run(project, "--continue") == 0
+    assert "lines outside the conflicts changed too: recorded the whole file" in \
+        capsys.readouterr().err
+    by_hand = (project / "build/rebase/cuda/ported/feat_engine_ffn_mode.patch").read_text()
+    assert "+import os  # AFD: engine roles" in by_hand
+    [(key, whole)] = json.loads((project / ENGINE_RECORD).read_text())["files"].items()
+    assert whole["file"] == "vllm/engine.py"
+
+    shutil.rmtree(project / "build/rebase")
+    assert run(project, "3.0.0", "--flavor", "cuda") == 0
+    report = (project / "build/rebase/report.md").read_text()
+    assert f"reused resolution(s) {key[:12]} (vllm/engine.py, whole file)" in report
+    assert (project / "build/rebase/cuda/ported/feat_engine_ffn_mode.patch").read_text() \
+        == by_hand
+
+
+def test_resolution_of_another_hunk_is_not_reused(project, capsys):
+    _stop_and_resolve(project)
+    assert run(project, "--continue") == 0
+    shutil.rmtree(project / "build/rebase")
+    # 3.0.0 again, but upstream's side of the conflicting line differs.
+    _publish(project, "3.0.0", dict(UPSTREAMS["3.0.0"], **{
+        "engine.py": UPSTREAMS["2.0.0"]["engine.py"].replace(
+            "        out = self.run()\n", "        out = self.run(block=False)\n")}))
+    capsys.readouterr()
+    assert run(project, "3.0.0", "--flavor", "cuda") == 1
+    out = capsys.readouterr().out
+    assert "STOPPED at patch 2/6 of cuda: feat_engine_ffn_mode.patch" in out
+    assert "out = self.run(block=False)" in out and "already in place" not in out
+
+
+def test_partly_recorded_conflicts_reuse_those_and_keep_the_rest():
+    blocks = "".join(f"<<<<<<< new upstream\nu{i}\n||||||| old upstream\nb{i}\n=======\n"
+                     f"p{i}\n>>>>>>> x.patch\nctx{i}\n" for i in (1, 2))
+    [first, second] = parse_blocks(blocks)
+    record = {"files": {}, "hunks": {second.key("vllm/x.py"): {"resolution": ["r2"]}}}
+    text, hits = reuse("vllm/x.py", blocks, record)
+    assert text == blocks.split("ctx1\n")[0] + "ctx1\nr2\nctx2\n"
+    assert hits == [f"{second.key('vllm/x.py')[:12]} (vllm/x.py:9)"]
+    assert [b.key("vllm/x.py") for b in parse_blocks(text)] == [first.key("vllm/x.py")]
+
+
+def test_marker_labels_do_not_change_the_key():
+    def merged(labels: tuple[str, str, str], upstream: str = "    x = 2") -> str:
+        ours, base, theirs = labels
+        return (f"a\n<<<<<<<{ours}\n{upstream}\n|||||||{base}\n    x = 1\n=======\n"
+                f"    x = 1  # AFD\n>>>>>>>{theirs}\nb\n")
+
+    keys = {parse_blocks(merged(labels))[0].key("vllm/x.py")
+            for labels in ((" new upstream", " old upstream", " feat.patch"),
+                           (" ours", " base", " theirs"), ("", "", ""))}
+    assert len(keys) == 1
+    [key] = keys
+    assert parse_blocks(merged(("", "", "")))[0].key("vllm/y.py") != key
+    assert parse_blocks(merged(("", "", ""), "    x = 3"))[0].key("vllm/x.py") != key
+
+
+REASON = "config moved out of vllm/config.py; AFD config lives in vllm/afd"
+
+
+def test_drop_is_recorded_and_the_series_waits_in_patches_next(project, capsys):
+    # 4.0.0 (cuda only, so the pin cannot move): 2.0.0 without vllm/config.py.
+    files = {k: v for k, v in UPSTREAMS["2.0.0"].items() if k != "config.py"}
+    _publish(project, "4.0.0", dict(files, **{"_version.py": VERSION_V1.replace("1.0.0",
+                                                                                 "4.0.0")}))
+    series = {p: p.read_text() for p in (project / "patches").glob("series*")}
+    assert run(project, "4.0.0", "--write") == 1
+    assert "vllm/config.py:0: the file is gone from the new upstream" in \
+        capsys.readouterr().out
+    assert run(project, "--continue", "--drop", REASON) == 0
+    report = (project / "build/rebase/report.md").read_text()
+    assert statuses(report)["feat_config_afd.patch"] == "dropped from the series"
+    assert f"dropped by hand: {REASON}" in report
+    assert "carried over without hand edits: 83%" in report
+    record = json.loads((project / "patches/resolutions/4.0.0/feat_config_afd.json").read_text())
+    assert record["drop"] == {"reason": REASON, "conflicts": ["vllm/config.py: gone"]}
+    # The old tree keeps the patch (later bases); the new tree never got it.
+    assert "afd_config" in (project / "build/rebase/cuda/old/vllm/config.py").read_text()
+    assert not (project / "build/rebase/cuda/new/vllm/config.py").exists()
+
+    def check_written() -> None:
+        assert {p: p.read_text() for p in (project / "patches").glob("series*")} == series
+        assert (project / "patches/feat_config_afd.patch").exists()
+        nxt = project / "patches/next/4.0.0"
+        assert read_series(nxt / "series") == [
+            "feat_engine_ffn_mode.patch", "feat_serve_ffn_role.patch",
+            "feat_loader_role_aware.patch"]
+        assert read_series(nxt / "series.cuda") == ["cuda/fix_version_afd.patch"]
+        assert not (nxt / "feat_config_afd.patch").exists()
+        tree = project.parent / "applied-4"
+        shutil.rmtree(tree, ignore_errors=True)
+        with zipfile.ZipFile(project.parent / "index" /
+                             f"vllm-4.0.0-cp38-abi3-{PLATFORM}.whl") as zf:
+            zf.extractall(tree)
+        for name in read_series(nxt / "series") + read_series(nxt / "series.cuda"):
+            apply_patch(tree, load_patch(nxt, name))
+
+    check_written()
+    out = capsys.readouterr().out
+    assert "patches/ is unchanged, the series for 4.0.0 waits in patches/next/4.0.0/" in out
+
+    # From a clean build/rebase: dropped again without a stop, for the recorded reason.
+    shutil.rmtree(project / "build/rebase")
+    shutil.rmtree(project / "patches/next")
+    assert run(project, "4.0.0", "--write") == 0
+    report = (project / "build/rebase/report.md").read_text()
+    assert statuses(report)["feat_config_afd.patch"] == "dropped from the series"
+    assert f"recorded drop: {REASON}" in report
+    assert "carried over without hand edits: 100%" in report
+    check_written()
+
+
+def test_drop_at_a_hunk_conflict_restores_the_new_tree(project, capsys):
+    assert run(project, "3.0.0", "--flavor", "cuda") == 1
+    [block] = parse_blocks((project / "build/rebase/cuda/new/vllm/engine.py").read_text())
+    assert run(project, "--continue", "--drop", "the FFN role has its own engine now") == 0
+    assert (project / "build/rebase/cuda/new/vllm/engine.py").read_text() == \
+        UPSTREAMS["3.0.0"]["engine.py"]
+    record = json.loads((project / ENGINE_RECORD).read_text())
+    assert record["drop"]["conflicts"] == [f"vllm/engine.py: hunk {block.key('vllm/engine.py')}"]
