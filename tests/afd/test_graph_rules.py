@@ -18,15 +18,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm.afd.attention.link import AttentionLink, StepPlan
-from vllm.afd.ffn.loop import FFNLoop
-from vllm.afd.topology import FFNPlacement
-from vllm.afd.transport.config import LinkConfig
+from vllm.afd.attention.link import StepPlan
 
 import preload
-from test_connectors import free_port
 
-HIDDEN = 32
+HIDDEN = 32  # shm_link's hidden size (tests/afd/conftest.py)
 ALLOCATING = {"empty", "empty_like", "new_empty", "clone", "zeros", "zeros_like", "ones",
               "full", "_to_copy", "empty_strided", "new_zeros", "cat"}
 
@@ -41,29 +37,6 @@ class AtenOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.append(func.__name__.split(".")[0])
         return func(*args, **(kwargs or {}))
-
-
-@pytest.fixture
-def shm_link(monkeypatch):
-    """An attention link and an FFN loop (mlp: h * 2 + layer) over shm, the
-    link installed as this process's (what RemoteFFN uses)."""
-    from vllm.afd.attention import runner
-
-    port = free_port()
-    loop = FFNLoop(LinkConfig(role="ffn", port=port, timeout_s=10), layers=[0, 1],
-                   compute=lambda layer, h, routing: h * 2 + layer, hidden_size=HIDDEN,
-                   dtype=torch.float32, max_tokens=16, placement=FFNPlacement(0, [0]),
-                   warmup_sizes=[])
-    loop.start()
-    link = AttentionLink(LinkConfig(port=port, timeout_s=10), hidden_size=HIDDEN,
-                         dtype=torch.float32, max_tokens=16)
-    link.add_layer(0)
-    link.add_layer(1)
-    link.start()
-    monkeypatch.setattr(runner, "_link", link)
-    yield link
-    link.close()
-    loop.stop()
 
 
 def test_remote_ffn_op_mutates_its_output_and_allocates_nothing(shm_link):

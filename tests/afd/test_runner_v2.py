@@ -45,11 +45,7 @@ from test_oracle import (
 
 import vllm.afd.seams as afd_seams
 from vllm.afd.attention import runner
-from vllm.afd.attention.link import AttentionLink
 from vllm.afd.attention.ubatch_rule import UbatchRule
-from vllm.afd.ffn.loop import FFNLoop
-from vllm.afd.topology import FFNPlacement
-from vllm.afd.transport.config import LinkConfig
 
 pytestmark = pytest.mark.slow
 
@@ -248,29 +244,6 @@ def test_pool_failover_on_v2_changes_no_token(models_dir, tmp_path, kernel_paths
 
 
 # ------------------------------------------------------------- the seams
-HIDDEN = 8
-
-
-@pytest.fixture
-def link(monkeypatch):
-    """A real attention link and FFN loop (mlp: h * 2 + layer) over shm, the
-    link installed as this process's."""
-    port = free_port()
-    loop = FFNLoop(LinkConfig(role="ffn", port=port, timeout_s=10), layers=[0],
-                   compute=lambda layer, h, routing: h * 2 + layer, hidden_size=HIDDEN,
-                   dtype=torch.float32, max_tokens=16, placement=FFNPlacement(0, [0]),
-                   warmup_sizes=[])
-    loop.start()
-    link = AttentionLink(LinkConfig(port=port, timeout_s=10), hidden_size=HIDDEN,
-                         dtype=torch.float32, max_tokens=16)
-    link.add_layer(0)
-    link.start()
-    monkeypatch.setattr(runner, "_link", link)
-    yield link
-    link.close()
-    loop.stop()
-
-
 def _runner(num_ubatches: int = 1) -> SimpleNamespace:
     """What the seams read of V2's GPUModelRunner: its VllmConfig."""
     afd = SimpleNamespace(is_attention=True, num_ubatches=num_ubatches)
@@ -286,15 +259,17 @@ def _batch(tokens: list[int], padded_tokens: int | None = None) -> SimpleNamespa
 
 
 @afd_seams.step_scope
-def _execute_model(runner_, dummy_run=False, is_profile=False, tokens=(3,), fail=False):
+def _execute_model(runner_, dummy_run=False, is_profile=False, tokens=3, fail=False):
     """V2's execute_model as far as AFD sees it: inputs prepared, the step
-    begun, the model run (one remote layer), maybe a failure after it."""
-    afd_seams.begin_step(runner_.vllm_config, dummy_run, is_profile, _batch(list(tokens)),
-                         None)
-    out = runner.get_link().exchange(0, torch.ones(sum(tokens), HIDDEN))
+    begun, the model run (the two remote layers of shm_link), maybe a failure."""
+    afd_seams.begin_step(runner_.vllm_config, dummy_run, is_profile, _batch([tokens]), None)
+    link = runner.get_link()
+    h = torch.ones(tokens, link.hidden_size)
+    for layer in (0, 1):
+        h = link.exchange(layer, h)
     if fail:
         raise RuntimeError("the model failed")
-    return out
+    return h
 
 
 @afd_seams.capture_scope
@@ -303,34 +278,36 @@ def _capture_model(runner_):
     return _execute_model(runner_, dummy_run=True)
 
 
-def test_v2_names_its_runs_and_only_real_steps_reach_the_ffn(link):
-    r = _runner()
-    assert torch.equal(_execute_model(r), torch.full((3, HIDDEN), 2.0))  # real: h * 2
+def test_v2_names_its_runs_and_only_real_steps_reach_the_ffn(shm_link):
+    r, hidden = _runner(), shm_link.hidden_size
+    # A real step: (1 * 2 + 0) * 2 + 1 from the FFN; the others: zeros, no frame.
+    assert torch.equal(_execute_model(r), torch.full((3, hidden), 5.0))
     assert torch.equal(_execute_model(r, dummy_run=True, is_profile=True),
-                       torch.zeros(3, HIDDEN))
-    assert torch.equal(_execute_model(r, dummy_run=True), torch.zeros(3, HIDDEN))
-    assert torch.equal(_capture_model(r), torch.zeros(3, HIDDEN))
+                       torch.zeros(3, hidden))
+    assert torch.equal(_execute_model(r, dummy_run=True), torch.zeros(3, hidden))
+    assert torch.equal(_capture_model(r), torch.zeros(3, hidden))
     # The capture's inner dummy run belongs to the capture: no warm-up counted.
-    assert link.dummy_runs == {"profile": 1, "warmup": 1, "capture": 1}
-    assert link.stats.steps == 1 and link.stats.layer_calls == 1
-    assert link.plan is None  # every scope ended its step
+    assert shm_link.dummy_runs == {"profile": 1, "warmup": 1, "capture": 1}
+    assert shm_link.stats.steps == 1 and shm_link.stats.layer_calls == 2
+    assert shm_link.plan is None  # every scope ended its step
 
 
-def test_a_step_that_raised_ends_failed_and_the_next_one_runs(link):
+def test_a_step_that_raised_ends_failed_and_the_next_one_runs(shm_link):
     r = _runner()
     with pytest.raises(RuntimeError, match="the model failed"):
         _execute_model(r, fail=True)
-    assert link.plan is None
-    assert torch.equal(_execute_model(r, tokens=(2,)), torch.full((2, HIDDEN), 2.0))
+    assert shm_link.plan is None
+    assert torch.equal(_execute_model(r, tokens=2),
+                       torch.full((2, shm_link.hidden_size), 5.0))
     # Ended as failed, the first step is not counted as one that completed.
-    assert link.stats.steps == 1 and link.stats.layer_calls == 2
+    assert shm_link.stats.steps == 1 and shm_link.stats.layer_calls == 4
 
 
-def test_without_afd_the_seams_pass_through(link):
+def test_without_afd_the_seams_pass_through(shm_link):
     r = SimpleNamespace(vllm_config=SimpleNamespace(afd_config=None))
     with pytest.raises(RuntimeError, match="outside a step"):  # begin_step did nothing
         _execute_model(r)
-    assert link.dummy_runs == {} and link.plan is None
+    assert shm_link.dummy_runs == {} and shm_link.plan is None
     assert afd_seams.ubatch_runner(lambda *args: "upstream's", r.vllm_config, 1) == "upstream's"
     assert afd_seams.ubatched_step(r.vllm_config, None, _batch([4]), False) is False
 
