@@ -20,7 +20,7 @@ WHEEL_STAMP := build/.installed-$(FLAVOR)
 CUDA_WHEEL_STAMP := build/.cuda-wheel
 MODELINFO_STAMP := build/.modelinfo-$(FLAVOR)
 
-.PHONY: demo test test-as-host cuda-wheel bench plan-check bench-link bench-layer-call bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
+.PHONY: demo test test-v2 test-as-host cuda-wheel bench plan-check bench-link bench-layer-call bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
 
 demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
@@ -38,10 +38,16 @@ $(TRITON_SHIM): $(VENV)/.stamp tools/triton_interpret/vllm_afd_triton_interpret.
 # Two xdist workers, a test module at a time (most tests wait on servers and
 # engines: one process kept about one of the two cores busy), slow modules first
 # (tests/conftest.py); then the `solo` tests, which measure the machine, alone.
-SUITE = $(VENV)/bin/pytest -q --durations=25 -n 2 --dist loadfile -m "not solo"; s=$$?; \
-	$(VENV)/bin/pytest -q -m solo; t=$$?; exit $$(( s ? s : t ))
+SUITE = $(VENV)/bin/pytest -q --durations=25 -n 2 --dist loadfile -m "not solo and not v2_served"; \
+	s=$$?; $(VENV)/bin/pytest -q -m solo; t=$$?; exit $$(( s ? s : t ))
 test: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(MODELINFO_STAMP) $(TRITON_SHIM)
 	$(SUITE)
+
+# AFD on Model Runner V2 (through Triton's interpreter on the CPU), all of it: what
+# `make test` runs of it (the stock-vLLM-on-V2 oracle, the seams) plus the served
+# cases, the pool's failover and bf16, which cost minutes more (tests/afd/test_runner_v2.py).
+test-v2: $(WHEEL_STAMP) models $(MODELINFO_STAMP) $(TRITON_SHIM)
+	$(VENV)/bin/pytest -q tests/afd/test_runner_v2.py
 
 # The same suite with the kernels an older x86 host chooses: HOST=avx2 (the AVX2-only
 # CI host) or HOST=avx512 (AVX-512 without bf16). tools/as_host/sitecustomize.py goes
