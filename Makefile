@@ -18,9 +18,10 @@ AFD_SOURCES := $(shell git ls-files vllm/afd csrc patches) setup.py pyproject.to
 	tools/vendor.py tools/series.py tools/upstream.py
 WHEEL_STAMP := build/.installed-$(FLAVOR)
 CUDA_WHEEL_STAMP := build/.cuda-wheel
+CUDA_NEXT_STAMP := build/.cuda-wheel-next
 MODELINFO_STAMP := build/.modelinfo-$(FLAVOR)
 
-.PHONY: demo test test-v2 test-as-host cuda-wheel bench plan-check bench-link bench-layer-call bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
+.PHONY: demo test test-v2 test-as-host cuda-wheel cuda-wheel-next bench plan-check bench-link bench-layer-call bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
 
 demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
@@ -40,7 +41,7 @@ $(TRITON_SHIM): $(VENV)/.stamp tools/triton_interpret/vllm_afd_triton_interpret.
 # (tests/conftest.py); then the `solo` tests, which measure the machine, alone.
 SUITE = $(VENV)/bin/pytest -q --durations=25 -n 2 --dist loadfile -m "not solo and not v2_served"; \
 	s=$$?; $(VENV)/bin/pytest -q -m solo; t=$$?; exit $$(( s ? s : t ))
-test: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(MODELINFO_STAMP) $(TRITON_SHIM)
+test: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(CUDA_NEXT_STAMP) $(MODELINFO_STAMP) $(TRITON_SHIM)
 	$(SUITE)
 
 # AFD on Model Runner V2 (through Triton's interpreter on the CPU), all of it: what
@@ -53,7 +54,7 @@ test-v2: $(WHEEL_STAMP) models $(MODELINFO_STAMP) $(TRITON_SHIM)
 # CI host) or HOST=avx512 (AVX-512 without bf16). tools/as_host/sitecustomize.py goes
 # into the environment, where it does nothing unless VLLM_AFD_AS_HOST is set.
 HOST ?= avx2
-test-as-host: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(MODELINFO_STAMP) $(TRITON_SHIM)
+test-as-host: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(CUDA_NEXT_STAMP) $(MODELINFO_STAMP) $(TRITON_SHIM)
 	cp tools/as_host/sitecustomize.py "$(PURELIB)/"
 	export VLLM_AFD_AS_HOST=$(HOST); $(SUITE)
 
@@ -62,10 +63,21 @@ test-as-host: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(MODELINFO_STAMP) $(TRI
 # change of the sources or pins; tests/packaging/test_cuda_wheel.py inspects it.
 # Without the toolchain (no network) the wheel is built without kernels, the
 # stamp is not written and the kernel test says why it skips.
+CUDA_WHEEL_DEPS = $(VENV)/.stamp $(AFD_SOURCES) tools/cuda_toolchain.py \
+	tools/cuda_toolchain.toml tools/cuda_wheel.py
 cuda-wheel: $(CUDA_WHEEL_STAMP)
-$(CUDA_WHEEL_STAMP): $(VENV)/.stamp $(AFD_SOURCES) tools/cuda_toolchain.py \
-		tools/cuda_toolchain.toml tools/cuda_wheel.py
+$(CUDA_WHEEL_STAMP): $(CUDA_WHEEL_DEPS)
 	$(PY) tools/cuda_wheel.py --stamp $@ >/dev/null
+
+# The cuda wheel on each release a carried series waits for (patches/next/<version>/:
+# 0.34.0, whose torch is 2.14.0). `make test` builds it only from downloads already
+# cached (the base wheel, the CUDA torch: ~1 GB), else its tests skip naming what is
+# missing; `make cuda-wheel-next` downloads them and builds.
+CUDA_NEXT_DEPS = $(CUDA_WHEEL_DEPS) $(wildcard patches/next/*/* patches/next/*/*/*)
+$(CUDA_NEXT_STAMP): $(CUDA_NEXT_DEPS)
+	$(PY) tools/cuda_wheel.py --all-next --cached-only --stamp $@ >/dev/null
+cuda-wheel-next: $(CUDA_NEXT_DEPS)
+	$(PY) tools/cuda_wheel.py --all-next --stamp $(CUDA_NEXT_STAMP) >/dev/null
 
 # AFD (1 attention core : 1 FFN core) against plain vLLM (both cores) on the bench
 # MoE model; ARGS=--quick for a short run. Results in benchmarks/results/.

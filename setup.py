@@ -137,21 +137,28 @@ def extensions():
         # it is the one global it reads to find nvcc and the CUDA headers.
         import torch.utils.cpp_extension as cpp_extension
         from cuda_toolchain import load as load_toolchain
+        from cuda_toolchain import required_torch
 
-        tc = load_toolchain(Path(toolchain))
+        # The CUDA torch the base wheel requires (2.13.0 for vLLM 0.32.0).
+        torch_version = required_torch((ROOT / STATE_DIR / "base.METADATA").read_text())
+        tc = load_toolchain(Path(toolchain), torch_version)
         cpp_extension.CUDA_HOME = str(tc.cuda_home)
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
         # Ahead of the CPU torch's own directories, which CUDAExtension appends.
         kwargs.update(include_dirs=[str(p) for p in tc.torch_include],
                       library_dirs=[str(tc.torch_lib), str(tc.cuda_home / "lib")])
-        kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-std=c++20", *tc.gencode_flags()]
-        print(f"[vllm-afd] building CUDA kernels with {tc.root} ({' '.join(tc.gencode_flags())})",
-              file=sys.stderr)
+        # torch 2.14's headers need C++20 in host code too (std::strong_ordering,
+        # requires-clauses); 2.13's build either way.
+        kwargs["extra_compile_args"] = {"cxx": ["-O3", "-std=c++20"],
+                                        "nvcc": ["-O3", "-std=c++20", *tc.gencode_flags()]}
+        print(f"[vllm-afd] building CUDA kernels with {tc.root}, torch {torch_version} "
+              f"({' '.join(tc.gencode_flags())})", file=sys.stderr)
         return [CUDAExtension("vllm.afd._C", sources, **kwargs)]
     elif build_cuda and torch.version.cuda is not None and CUDA_HOME is not None:
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
-        # torch 2.13's headers use C++20 features (nvcc warns under C++17).
-        kwargs["extra_compile_args"]["nvcc"] = ["-O3", "-std=c++20"]
+        # C++20, as above (torch 2.13's headers warn under C++17 in nvcc; 2.14's fail).
+        kwargs["extra_compile_args"] = {"cxx": ["-O3", "-std=c++20"],
+                                        "nvcc": ["-O3", "-std=c++20"]}
         print("[vllm-afd] building CUDA kernels", file=sys.stderr)
         return [CUDAExtension("vllm.afd._C", sources, **kwargs)]
     # Ascend kernels, once there are any (csrc/npu/README.md: today NPUs run the

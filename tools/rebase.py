@@ -44,7 +44,7 @@ from forward_port import (  # noqa: E402
     restore, syntax_errors,
 )
 from rebase_report import (  # noqa: E402
-    render_report, summarize, update_pin, write_in_place, write_next,
+    moved_pin, render_report, summarize, update_pin, write_in_place, write_next,
 )
 from resolutions import (  # noqa: E402
     conflict_signature, load_record, record_path, record_stop, save_record,
@@ -387,7 +387,11 @@ class Rebase:
         out = {"dropped": gone, "pin_moved": not missing, "pin_missing_flavors": missing}
         if missing:
             flavors = [f for f, e in self.state["flavors"].items() if not e["missing"]]
-            dest = write_next(patches_dir, self.state["version"], texts, flavors)
+            pin_text = moved_pin((self.root / "upstream.toml").read_text(),
+                                 self.state["version"], {
+                f: (e["new_wheel"], e["new_sha256"])
+                for f, e in self.state["flavors"].items() if not e["missing"]})
+            dest = write_next(patches_dir, self.state["version"], texts, flavors, pin_text)
             return dict(out, patches=list(texts), series_dir=str(dest.relative_to(self.root)))
         written = write_in_place(patches_dir, texts, gone, list(self.state["flavors"]))
         update_pin(self.root / "upstream.toml", self.state["version"], {

@@ -119,10 +119,12 @@ def write_in_place(patches_dir: Path, texts: dict[str, str], gone: list[str],
 
 
 def write_next(patches_dir: Path, version: str, texts: dict[str, str],
-               flavors: list[str]) -> Path:
+               flavors: list[str], pin_text: str) -> Path:
     """The refreshed series in patches/next/<version>/ (the patches under their own
-    names, `series` and `series.<flavor>` in order, without the gone ones), for a pin
-    that cannot move yet: patches/ stays the pinned build's. Returns the directory."""
+    names, `series` and `series.<flavor>` in order, without the gone ones), with
+    `upstream.toml`, the pin as it will be for the flavors that have the release, for
+    a pin that cannot move yet: patches/ stays the pinned build's (tools/cuda_wheel.py
+    --next <version> builds from it). Returns the directory."""
     dest = patches_dir / "next" / version
     if dest.exists():
         shutil.rmtree(dest)
@@ -132,6 +134,10 @@ def write_next(patches_dir: Path, version: str, texts: dict[str, str],
     for sf in ["series"] + [f"series.{f}" for f in flavors]:
         names = [n for n in read_series(patches_dir / sf) if n in texts]
         (dest / sf).write_text("".join(n + "\n" for n in names))
+    (dest / "upstream.toml").write_text(
+        f"# patches/next/{version}/: the pin once every flavor has {version}, for the "
+        "flavors\n# that have it now (make rebase wrote it; tools/cuda_wheel.py --next "
+        f"{version}\n# builds the cuda wheel from it and this series).\n" + pin_text)
     return dest
 
 
@@ -145,19 +151,44 @@ def _set_in_section(text: str, section: str, key: str, value: str) -> str:
     return new
 
 
-def update_pin(path: Path, version: str, wheels: dict[str, tuple[str, str]]) -> None:
-    """Move upstream.toml to `version`: the version, each flavor's wheel and sha256,
-    afd_release back to 1. The sdist entries are emptied (the upstream-test tool
-    then says so) until someone records the new sdist."""
-    text = path.read_text()
+def _without_section(text: str, section: str) -> str:
+    """TOML text without [section]: its header, the comment lines right above it,
+    and its body up to the next header (or the comments right above that one)."""
+    lines = text.splitlines(keepends=True)
+
+    def lead(i: int) -> int:  # the first of the comment lines right above line i
+        while i > 0 and lines[i - 1].startswith("#"):
+            i -= 1
+        return i
+
+    headers = [i for i, line in enumerate(lines) if line.startswith("[")]
+    start = next(i for i in headers if lines[i].strip() == f"[{section}]")
+    later = [i for i in headers if i > start]
+    end = lead(later[0]) if later else len(lines)
+    return "".join(lines[:lead(start)] + lines[end:])
+
+
+def moved_pin(text: str, version: str, wheels: dict[str, tuple[str, str]]) -> str:
+    """upstream.toml's text moved to `version`: the version, each flavor's wheel and
+    sha256, afd_release back to 1. The sdist entries are emptied (the upstream-test
+    tool then says so) until someone records the new sdist. A flavor not in `wheels`
+    (no such release of it) leaves the pin."""
     old = re.search(r'^version = "([^"]*)"', text, re.M).group(1)
     text = _set_in_section(text, "upstream", "version", version)
     text = re.sub(r"^afd_release = \d+", "afd_release = 1", text, count=1, flags=re.M)
     if re.search(r'^sdist = "', text, re.M):
         text = _set_in_section(text, "upstream", "sdist", "")
         text = _set_in_section(text, "upstream", "sdist_sha256", "")
-    for flavor, (wheel, sha) in wheels.items():
-        text = _set_in_section(text, f"flavor.{flavor}", "wheel", wheel)
-        text = _set_in_section(text, f"flavor.{flavor}", "sha256", sha)
-    text = text.replace(f"release {old}", f"release {version}")
-    path.write_text(text)
+    for flavor in re.findall(r"^\[flavor\.([\w-]+)\]", text, re.M):
+        if flavor in wheels:
+            wheel, sha = wheels[flavor]
+            text = _set_in_section(text, f"flavor.{flavor}", "wheel", wheel)
+            text = _set_in_section(text, f"flavor.{flavor}", "sha256", sha)
+        else:
+            text = _without_section(text, f"flavor.{flavor}")
+    return text.replace(f"release {old}", f"release {version}")
+
+
+def update_pin(path: Path, version: str, wheels: dict[str, tuple[str, str]]) -> None:
+    """Move upstream.toml to `version` (moved_pin), every flavor included."""
+    path.write_text(moved_pin(path.read_text(), version, wheels))

