@@ -21,7 +21,7 @@ CUDA_WHEEL_STAMP := build/.cuda-wheel
 CUDA_NEXT_STAMP := build/.cuda-wheel-next
 MODELINFO_STAMP := build/.modelinfo-$(FLAVOR)
 
-.PHONY: demo test test-v2 test-as-host cuda-wheel cuda-wheel-next bench plan-check bench-link bench-layer-call bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
+.PHONY: demo test test-v2 test-mutations test-as-host cuda-wheel cuda-wheel-next bench plan-check bench-link bench-layer-call bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
 
 demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
@@ -49,6 +49,12 @@ test: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(CUDA_NEXT_STAMP) $(MODELINFO_S
 # cases, the pool's failover and bf16, which cost minutes more (tests/afd/test_runner_v2.py).
 test-v2: $(WHEEL_STAMP) models $(MODELINFO_STAMP) $(TRITON_SHIM)
 	$(VENV)/bin/pytest -q tests/afd/test_runner_v2.py
+
+# Deliberate breakages of the claims that matter, each run against the tests that
+# guard it, which must fail (tools/mutations.py; report in build/mutations/).
+# It edits the installed package in place and restores it: not beside another run.
+test-mutations: $(WHEEL_STAMP) models $(MODELINFO_STAMP)
+	$(PY) tools/mutations.py
 
 # The same suite with the kernels an older x86 host chooses: HOST=avx2 (the AVX2-only
 # CI host) or HOST=avx512 (AVX-512 without bf16). tools/as_host/sitecustomize.py goes

@@ -21,21 +21,33 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def deployments() -> list[list[list[str]]]:
     """The `vllm serve` lines of the README's Topologies block, as argv lists,
-    grouped by blank lines."""
+    grouped by blank lines: a shell prompt (`$ `), environment assignments
+    before the command and continued lines (`\\`) are read as a shell would; any
+    other line, or no command at all, is an error (at collection: the run fails)."""
     text = README.read_text()
     block = text[text.index("### Topologies"):]
     block = block[block.index("```") + 3:]
     block = block[:block.index("```")]
     groups, current = [], []
-    for line in block.splitlines():
-        if not line.strip():
+    for line in block.replace("\\\n", " ").splitlines():
+        line = line.strip()
+        if line.startswith("$ "):
+            line = line[2:]
+        argv = shlex.split(line, comments=True)
+        while argv and re.fullmatch(r"[A-Za-z_]\w*=.*", argv[0]):
+            argv.pop(0)  # VAR=value before the command
+        if not line:
             if current:
                 groups.append(current)
             current = []
-        elif line.startswith("vllm serve"):
-            current.append(shlex.split(line))
+        elif argv[:2] == ["vllm", "serve"]:
+            current.append(argv)
+        elif argv:
+            raise ValueError(f"README Topologies block: not a `vllm serve` line: {line!r}")
     if current:
         groups.append(current)
+    if not groups:
+        raise ValueError("README Topologies block: no `vllm serve` lines found")
     return groups
 
 

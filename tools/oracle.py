@@ -56,6 +56,23 @@ def engine_cli_args(model, dtype: str = "float32") -> list[str]:
     return ["--attention-backend", backend] if backend else []
 
 
+def kernel_report(worker) -> dict:
+    """The kernels a worker's layers run (plain or either AFD role: attention
+    backends and ISAs, linear kernels, MoE experts), by vllm/afd/model/kernels.py.
+    Run in the worker through collective_rpc (the engines here are in-process);
+    the module is loaded from its file, which imports only torch, so stock vLLM
+    (the stock reference, whose `vllm` has no `afd`) reports its kernels too."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "vllm" / "afd" / "model" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("afd_kernel_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.kernel_report(worker.model_runner.get_model(),
+                                worker.vllm_config.compilation_config.static_forward_context)
+
+
 NOT_TORN_DOWN: list = []  # run(teardown=False)'s engines: kept until the process exits
 
 
@@ -105,13 +122,10 @@ def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int
         })
     link_stats = llm.collective_rpc("afd_link_stats")[0] if afd_config else None
     link = llm.collective_rpc("afd_link_document")[0] if afd_config else None
-    try:  # a worker method of vllm-afd's; stock vLLM (the stock reference) has none
-        kernels = llm.collective_rpc("afd_kernels")[0]
-    except Exception:  # noqa: BLE001
-        kernels = None
+    kernels = llm.collective_rpc(kernel_report)[0]
     ffn_kernels = None
     if ffn_engine is not None:
-        ffn_kernels = ffn_engine.core.collective_rpc("afd_kernels")[0]
+        ffn_kernels = ffn_engine.core.collective_rpc(kernel_report)[0]
         if teardown:
             ffn_engine.shutdown()
     if not teardown:  # freed on return, the engine would shut down (vLLM's finalizer)

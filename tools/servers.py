@@ -131,6 +131,15 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
         return e.code, e.read().decode(errors="replace")
 
 
+def metric_samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """The samples named `name` in a Prometheus text scrape, by sorted labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {tuple(sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == name}
+
+
 class Server:
     """One `vllm serve` process in its own session, logging to a file."""
 

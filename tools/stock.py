@@ -12,6 +12,7 @@ project's environment, which has the versions vLLM 0.32.0 asks for. Built once
 and cached: the stamp holds the wheel's sha256.
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,39 @@ def stock_site(root: Path = STOCK_DIR) -> Path:
                     "--no-compile", "--target", str(site), str(wheel)], check=True)
     stamp.write_text(flavor.sha256)
     return site
+
+
+# The tiny checkpoints whose plain answer the series changes on purpose: stock
+# vLLM gives other tokens or logprobs, and the patched tree's plain run is the
+# reference there (the tests show stock's difference, and that the patched answer
+# is transformers': tools/hf_reference.py). Measured 2026-12-07 in float32 and
+# bfloat16 on the oracle's 10 prompts: every other family answers exactly as stock.
+# fix_cpu_rotary_embedding_3d_inputs.patch: their attention hands vLLM's CPU
+# rotary kernel 3D [tokens, heads, head_size] tensors (MLA's q_pe, LFM2's
+# per-head-normed q and k), which it rotated wrongly.
+ROTARY_FIX = "fix_cpu_rotary_embedding_3d_inputs.patch"
+STOCK_DIFFERS = {name: ROTARY_FIX for name in (
+    "tiny-deepseek-v2", "tiny-deepseek-v3", "tiny-glm4-moe-lite", "tiny-lfm2", "tiny-lfm2-moe")}
+
+
+def run_plain(oracle: Path, out: Path, models: list[Path], *extra: str,
+              cpus: str | None = None, timeout: float = 900) -> None:
+    """tools/oracle.py --matrix OUT --plain-only with stock vLLM first on the path
+    (from OUT, which holds no vllm/ of its own), every model in one process. Its
+    own VLLM_CACHE_ROOT: the model files differ from the patched tree's, and
+    vLLM's model-info cache keeps one entry per architecture, stamped with the
+    file's hash, which the two trees would otherwise overwrite in turn."""
+    site = stock_site()
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(site), VLLM_CACHE_ROOT=str(site.parent / "vllm-cache"))
+    if cpus is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+    env.pop("VLLM_AFD_TEST_SOURCE_TREE", None)
+    proc = subprocess.run([sys.executable, str(oracle), "--matrix", str(out), "--plain-only",
+                           *extra, *map(str, models)],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=out)
+    if proc.returncode != 0:
+        raise RuntimeError(f"stock vLLM's oracle run failed:\n{proc.stderr[-3000:]}")
 
 
 if __name__ == "__main__":

@@ -588,5 +588,42 @@ def test_data_plane_logs_through_stdlib_logging():
                  root / "attention/pingpong.py", root / "attention/status.py",
                  root / "attention/ubatch_rule.py",
                  root / "ffn/loop.py", root / "ffn/batcher.py"]:
-        text = path.read_text()
-        assert not re.search(r"^\s*(from|import) vllm\.(?!afd)", text, re.M), path
+        package = ".".join(path.relative_to(root.parent.parent).with_suffix("").parts[:-1])
+        outside = [f"{path.name}:{line}: {module}"
+                   for line, module in imported_modules(path.read_text(), package)
+                   if (module == "vllm" or module.startswith("vllm."))
+                   and not (module == "vllm.afd" or module.startswith("vllm.afd."))]
+        assert not outside, outside
+
+
+def imported_modules(source: str, package: str) -> list[tuple[int, str]]:
+    """(line, absolute module) for every import in `source`, at any depth: `import
+    a.b`, `from a import b` (a.b, so `from vllm import logger` is vllm.logger) and
+    relative imports resolved against `package`."""
+    import ast
+    from importlib.util import resolve_name
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = resolve_name("." * node.level + (node.module or ""), package) \
+                if node.level else node.module
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def test_the_import_rule_sees_every_form_of_importing_vllm():
+    package = "vllm.afd.attention"
+    for source in ("from vllm import logger", "import vllm", "from vllm.logger import x",
+                   "def f():\n    import vllm.envs", "from ...logger import init_logger",
+                   "from vllm import envs as e"):
+        modules = [m for _, m in imported_modules(source, package)]
+        assert any(m == "vllm" or (m.startswith("vllm.") and not m.startswith("vllm.afd"))
+                   for m in modules), (source, modules)
+    for source in ("from vllm.afd.transport import base", "from ..transport import base",
+                   "import logging", "from . import pingpong"):
+        modules = [m for _, m in imported_modules(source, package)]
+        assert all(m.startswith("vllm.afd.") or not m.startswith("vllm") for m in modules), \
+            (source, modules)

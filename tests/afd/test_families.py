@@ -3,11 +3,15 @@
 """Every supported model family through AFD, token for token (the model matrix).
 
 For each family's tiny checkpoint (tools/make_tiny_models.py): tools/oracle.py
-runs plain vLLM and then AFD with both roles in one process (loopback: the FFN
-engine built from the same checkpoint, only its FFN modules), and the greedy
-tokens must be identical and logprobs within 1e-5. One process start serves
-every family's runs (tools/oracle.py --matrix: each run in a child forked from
-it, never torn down), so a family costs 2-4 s beyond the first. One family per FFN
+runs AFD with both roles in one process (loopback: the FFN engine built from the
+same checkpoint, only its FFN modules), and the greedy tokens must be those of
+stock vLLM (the untouched pinned wheel, tools/stock.py, run plain on every
+family) and logprobs within 1e-5. Where a fix patch changes plain vLLM on
+purpose (tools/stock.py STOCK_DIFFERS) the reference is the patched tree's plain
+run, and test_stock_differs_where_a_fix_patch_says shows stock's difference and
+that the patched answer is transformers'. One process start serves every
+family's runs (tools/oracle.py --matrix: each run in a child forked from it,
+never torn down), so a family costs 2-4 s beyond the first. One family per FFN
 group (MoE, dense) also runs against a real `vllm serve --afd-role ffn`
 process over shm (test_served_family_matches_plain). Qwen3-MoE and DeepSeek are
 test_oracle.py's.
@@ -30,7 +34,9 @@ from types import SimpleNamespace
 import pytest
 
 import preload
+from hf_reference import logprob_errors
 from servers import cpu, free_port
+from stock import STOCK_DIFFERS, run_plain
 from test_oracle import (
     LOGPROB_TOL, assert_micro_batched, assert_same, ffn_server, ffn_stats, run_oracle)
 
@@ -89,15 +95,25 @@ def _upstream_module(arch: str) -> Path:
 @pytest.mark.parametrize("arch", sorted(SUPPORTED))
 def test_the_patch_marks_the_ffn_construction(arch):
     """Between begin_mlp() and close() the decoder layer builds exactly its
-    FFN attribute, on every branch (MoE and dense)."""
+    FFN attribute, and every assignment of that attribute in the module (each
+    branch: MoE and dense, each layer class) lies inside such a scope."""
     family = SUPPORTED[arch]
-    source = _upstream_module(arch).read_text()
-    scopes = re.findall(r"afd_scope = afd_seams\.begin_mlp\((?:vllm_config)?\)\n(.*?)"
-                        r"\n\s*afd_scope\.close\(\)", source, re.S)
-    assert scopes, f"{arch}: no begin_mlp()/close() in {_upstream_module(arch).name}"
-    for body in scopes:
-        built = set(re.findall(r"self\.(\w+) = ", body))
+    path = _upstream_module(arch)
+    source = path.read_text()
+    scopes = list(re.finditer(r"afd_scope = afd_seams\.begin_mlp\((?:vllm_config)?\)\n(.*?)"
+                              r"\n\s*afd_scope\.close\(\)", source, re.S))
+    assert scopes, f"{arch}: no begin_mlp()/close() in {path.name}"
+    for scope in scopes:
+        built = set(re.findall(r"self\.(\w+) = ", scope.group(1)))
         assert built == {family.ffn_attr}, (arch, built)
+    line = lambda offset: source.count("\n", 0, offset) + 1  # noqa: E731
+    spans = [(line(m.start()), line(m.end())) for m in scopes]
+    assigned = [line(m.start()) for m in
+                re.finditer(rf"self\.{family.ffn_attr}\s*(?::[^=\n]*)?=[^=]", source)]
+    assert assigned, f"{arch}: {path.name} never assigns self.{family.ffn_attr}"
+    outside = [n for n in assigned if not any(a <= n <= b for a, b in spans)]
+    assert not outside, f"{arch}: self.{family.ffn_attr} built outside begin_mlp()/close() " \
+        f"at {path.name}:{outside}"
     assert family.ffn_attr in FFN_ATTRS
 
 
@@ -186,14 +202,45 @@ def run_matrix(models_dir: Path, out: Path, names, dtype: str = "float32",
     return time.monotonic() - t0
 
 
+def run_against_stock(models_dir: Path, out: Path, names, dtype: str = "float32", *,
+                      afd_args: tuple[str, ...] = (), every_run: tuple[str, ...] = ()) -> float:
+    """AFD on every named family (out/NAME.afd.json, and what afd_args ask, e.g.
+    --gate-on both) and its references: stock vLLM's plain run of each
+    (out/stock/) and the patched tree's where STOCK_DIFFERS (out/patched/);
+    every_run: oracle arguments for all three. Its wall time."""
+    t0 = time.monotonic()
+    run_plain(ORACLE, out / "stock", [models_dir / n for n in sorted(names)], "--dtype", dtype,
+              *every_run, cpus=cpu(0))
+    run_matrix(models_dir, out, names, dtype, "--afd-only", *afd_args, *every_run)
+    differs = [n for n in names if n in STOCK_DIFFERS]
+    if differs:
+        (out / "patched").mkdir()
+        run_matrix(models_dir, out / "patched", differs, dtype, "--plain-only", *every_run)
+    return time.monotonic() - t0
+
+
+def reference(matrix: Path, name: str) -> dict:
+    """The plain run a family's AFD runs must equal: stock vLLM's, or the
+    patched tree's where a fix patch makes them differ (STOCK_DIFFERS)."""
+    which = "patched" if name in STOCK_DIFFERS else "stock"
+    error = matrix / which / f"{name}.error.txt"
+    assert not error.exists(), error.read_text()[-4000:]
+    plain = json.loads((matrix / which / f"{name}.plain.json").read_text())
+    assert plain["link_stats"] is None  # plain: AFD off
+    # stock: the untouched wheel's package (tools/stock.py), which has no AFD
+    assert ("/build/stock/" in plain["vllm"]["file"]) == (which == "stock"), plain["vllm"]
+    assert plain["vllm"]["afd"] == (which == "patched"), plain["vllm"]
+    return plain
+
+
 def check_family(models_dir: Path, matrix: Path, name: str) -> tuple[dict, dict]:
-    """One family's matrix runs: the same greedy tokens and logprobs, every
-    layer through the link, not a degenerate checkpoint, the same kernels.
-    Returns (plain, afd)."""
+    """One family's matrix runs: AFD's greedy tokens and logprobs are its
+    reference's (stock vLLM's), every layer through the link, not a degenerate
+    checkpoint, the same kernels. Returns (reference, afd)."""
     model = models_dir / name
     error = matrix / f"{name}.error.txt"
     assert not error.exists(), error.read_text()[-4000:]
-    plain = json.loads((matrix / f"{name}.plain.json").read_text())
+    plain = reference(matrix, name)
     afd = json.loads((matrix / f"{name}.afd.json").read_text())
     assert all(len(r["token_ids"]) == 16 for r in plain["results"] + afd["results"])
     assert_same(plain, afd, LOGPROB_TOL)
@@ -213,6 +260,30 @@ def check_family(models_dir: Path, matrix: Path, name: str) -> tuple[dict, dict]
     return plain, afd
 
 
+def check_stock_difference(models_dir: Path, matrix: Path, name: str,
+                           against_transformers: bool = True) -> str:
+    """A STOCK_DIFFERS family: stock's plain answer really differs from the
+    patched tree's (else the entry is stale), and (float32) the patched tree's
+    first-token logprobs are transformers' while stock's are not."""
+    stock = json.loads((matrix / "stock" / f"{name}.plain.json").read_text())
+    ours = reference(matrix, name)
+    pairs = list(zip(stock["results"], ours["results"], strict=True))
+    tokens = sum(a["token_ids"] != b["token_ids"] for a, b in pairs)
+    logprob = max(abs(x - y) for a, b in pairs for x, y in zip(a["logprobs"], b["logprobs"]))
+    assert tokens or logprob > 1e-3, f"{name}: stock now answers as the patched tree " \
+        f"(remove it from STOCK_DIFFERS, {STOCK_DIFFERS[name]} may have gone upstream)"
+    said = f"stock differs ({tokens} of {len(pairs)} prompts' tokens, logprobs up to " \
+        f"{logprob:.0e}; {STOCK_DIFFERS[name]})"
+    if against_transformers:
+        model = models_dir / name
+        ours_off, stock_off = logprob_errors(model, ours), logprob_errors(model, stock)
+        assert max(ours_off) < 1e-4, ours_off
+        assert max(stock_off) > 1e-4, stock_off
+        said += f", transformers' first-token logprobs: ours within {max(ours_off):.0e}, " \
+            f"stock {max(stock_off):.0e} off"
+    return said
+
+
 def check_routed(matrix: Path, name: str, plain: dict, run: str = "afd") -> dict:
     """A gate_on "attention" run of the matrix (DIR/NAME.<run>.json) against
     plain vLLM's: the same tokens and logprobs, with routing really sent."""
@@ -227,22 +298,29 @@ def check_routed(matrix: Path, name: str, plain: dict, run: str = "afd") -> dict
 @pytest.fixture(scope="module")
 def matrix(models_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("matrix")
-    TIMINGS["matrix"] = run_matrix(models_dir, out, MATRIX)
+    TIMINGS["matrix"] = run_against_stock(models_dir, out, MATRIX)
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MATRIX))
 def test_family_matches_plain(models_dir, matrix, name, kernel_paths):
-    """Plain vLLM, then AFD (loopback, both roles in the oracle's process): the
-    same greedy tokens and logprobs on the oracle's 10 prompts (steps mixing
+    """AFD (loopback, both roles in the oracle's process) against stock vLLM:
+    the same greedy tokens and logprobs on the oracle's 10 prompts (steps mixing
     prefill and decode), every layer through the link."""
     assert json.loads((models_dir / name / "config.json").read_text())["architectures"] == [
         MATRIX[name]]
     _, afd = check_family(models_dir, matrix, name)
-    kernel_paths.add(f"{name}: attention {'/'.join(afd['attention_backends'])}, "
-                     f"plain + AFD {afd['wall_s']:.0f}s (matrix of {len(MATRIX)}: "
-                     f"{TIMINGS.get('matrix', 0):.0f}s)")
+    against = f"patched plain ({STOCK_DIFFERS[name]})" if name in STOCK_DIFFERS else \
+        "stock vLLM"
+    kernel_paths.add(f"{name}: attention {'/'.join(afd['attention_backends'])}, AFD = "
+                     f"{against} (matrix of {len(MATRIX)}: {TIMINGS.get('matrix', 0):.0f}s)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(n for n in MATRIX if n in STOCK_DIFFERS))
+def test_stock_differs_where_a_fix_patch_says(models_dir, matrix, name, kernel_paths):
+    kernel_paths.add(f"{name}: {check_stock_difference(models_dir, matrix, name)}")
 
 
 # Every MoE family with its routers on the attention role (gate_on "attention"):
@@ -266,9 +344,9 @@ def routed_matrix(models_dir, matrix, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name", ROUTED)
 def test_family_matches_plain_with_routers_on_attention(models_dir, matrix, routed_matrix,
                                                          name, kernel_paths):
-    """AFD with gate_on "attention" (loopback) against the matrix's plain run:
-    the routing the attention role computed and sent gives plain vLLM's tokens."""
-    plain = json.loads((matrix / f"{name}.plain.json").read_text())
+    """AFD with gate_on "attention" (loopback) against the matrix's reference:
+    the routing the attention role computed and sent gives stock vLLM's tokens."""
+    plain = reference(matrix, name)
     afd = check_routed(routed_matrix, name, plain)
     kernel_paths.add(f"{name} routers on attention: AFD {afd['wall_s']:.0f}s "
                      f"(of {len(ROUTED)}: {TIMINGS.get('routed', 0):.0f}s)")
@@ -284,15 +362,15 @@ SERVED = [("tiny-mixtral", "attention"), ("tiny-llama", "ffn"), ("tiny-lfm2-moe"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, gate_on", SERVED, ids=[n for n, _ in SERVED])
-def test_served_family_matches_plain(models_dir, tmp_path, name, gate_on):
+def test_served_family_matches_plain(models_dir, matrix, tmp_path, name, gate_on):
     model = models_dir / name
     config = {"connector": "shm", "port": free_port(), "timeout_s": 60, "num_ubatches": 2,
               "ubatch_policy": "fixed", "gate_on": gate_on}
     # Mixtral's FFN server spawns its worker as vLLM does for users (the other
     # served cases fork it from a preloaded process: tests/conftest.py).
     spawn = {"VLLM_AFD_TEST_FORK_SPAWN": "0"} if name == "tiny-mixtral" else None
+    plain = reference(matrix, name)  # stock vLLM's (or the patched tree's: STOCK_DIFFERS)
     with ffn_server(model, config, tmp_path / "ffn.log", env=spawn) as ffn:
-        plain = run_oracle(model, tmp_path / "plain.json")  # while the FFN server starts
         ffn.wait_ready()
         afd = run_oracle(model, tmp_path / "afd.json", {**config, "role": "attention"})
         served = ffn_stats(ffn)

@@ -366,6 +366,27 @@ def test_launch_1a1f_serves_and_ctrl_c_leaves_nothing(models_dir, tmp_path, ray_
     check_nothing_left(ray_head, spec, servers)
 
 
+def assert_secret_demanded(attention_pid: int) -> None:
+    """The FFN that attention server `attention_pid` links to refuses a peer with
+    that server's AFD configuration but without its secret, at authentication."""
+    import torch
+
+    from vllm.afd.config import AFDConfig
+    from vllm.afd.transport.connectors import ProtocolError, create_connector
+
+    argv = Path(f"/proc/{attention_pid}/cmdline").read_bytes().decode().split("\0")
+    config = json.loads(argv[argv.index("--afd-config") + 1])
+    assert config.pop("token_file")
+    bare = create_connector(AFDConfig(**{**config, "role": "attention", "timeout_s": 10}),
+                            hidden_size=64, dtype=torch.float32, max_tokens=16)
+    try:
+        with pytest.raises(ProtocolError, match="authentication: this FFN server requires "
+                                                "a secret and the attention server has none"):
+            bare.connect()
+    finally:
+        bare.close()
+
+
 @pytest.mark.slow
 def test_launch_2a1f_secret_through_ray_and_a_killed_server(models_dir, tmp_path, ray_head):
     model = models_dir / MODEL
@@ -384,9 +405,11 @@ def test_launch_2a1f_secret_through_ray_and_a_killed_server(models_dir, tmp_path
         for name in ("attention-0", "attention-1"):
             check_tokens(servers[name]["url"], plain, model)
         # The FFN listened on the node's address: it demanded the secret, which
-        # reached it and both attention servers only through Ray.
+        # reached it and both attention servers only through Ray. A peer that
+        # dials it with attention-0's configuration but no secret is refused.
         ffn_log = Path(servers["ffn-0"]["log"]).read_text()
         assert "AFD FFN engine started" in ffn_log
+        assert_secret_demanded(servers["attention-0"]["pid"])
         assert secret not in launch.text
         for s in servers.values():
             assert secret not in Path(s["log"]).read_text()

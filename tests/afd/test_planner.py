@@ -384,7 +384,9 @@ def test_calibration_times_vllms_own_moe_kernel():
     assert out.returncode == 0, out.stderr[-3000:]
     rates = json.loads(out.stdout.strip().splitlines()[-1])
     if rates is None:
-        pytest.skip("vLLM's CPU kernels do not load here (not the CPU flavor)")
+        # Only a build without vLLM's CPU kernels may have no kernel to time.
+        assert vendored_flavor() != "cpu", "the CPU flavor's MoE kernel did not load"
+        pytest.skip(f"no vLLM CPU kernels in the {vendored_flavor()} flavor")
     rates = {float(k): v for k, v in rates.items()}
     assert sorted(rates) == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
     assert all(r > 1e8 for r in rates.values())
@@ -394,16 +396,42 @@ def test_calibration_times_vllms_own_moe_kernel():
     assert max(r for rows, r in rates.items() if rows >= 4) > 1.5 * rates[1.0]
 
 
+def vendored_flavor() -> str:
+    return json.loads((REPO / "vllm" / "_afd_vendor.json").read_text())["flavor"]
+
+
+def test_calibration_raises_when_the_cpu_flavors_kernels_do_not_load():
+    """A CPU build whose kernels fail to load is broken: calibrate says so
+    instead of timing torch in their place."""
+    if vendored_flavor() != "cpu":
+        pytest.skip(f"the {vendored_flavor()} flavor has no vLLM CPU kernels")
+    code = ("from vllm.platforms import current_platform\n"
+            "def broken():\n    raise OSError('libvllm_cpu.so: undefined symbol')\n"
+            "current_platform.import_kernels = broken\n" + CALIBRATE_MOE)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0
+    assert "OSError: libvllm_cpu.so: undefined symbol" in out.stderr
+
+
 CALIBRATE_DENSE = """
 import json
+import torch
 from vllm import _custom_ops
 from vllm.afd.planner import calibrate
 ops = calibrate.vllm_dense_gemm()
 rates = calibrate.dense_flops(1, ops) if ops is not None else None
+# What vLLM's own dispatch finds here: oneDNN built, and a bf16 matmul it can create.
+runs = getattr(_custom_ops, "_supports_onednn", False)
+if runs:
+    try:
+        _custom_ops.create_onednn_mm(torch.zeros(64, 64, dtype=torch.bfloat16).t(), 32)
+    except RuntimeError:
+        runs = False
 def refuse(*args):
     raise RuntimeError("could not create a primitive descriptor for the matmul primitive")
 _custom_ops.create_onednn_mm = refuse
-print(json.dumps({"onednn": ops is not None, "rates": rates,
+print(json.dumps({"onednn": ops is not None, "rates": rates, "vllm_runs_onednn": runs,
                   "refused": calibrate.vllm_dense_gemm() is None}))
 """
 
@@ -417,6 +445,9 @@ def test_calibration_takes_torch_linear_where_onednn_cannot_run_bf16():
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
+    # calibrate times oneDNN exactly where vLLM's layers would run it (torch linear
+    # elsewhere: this AVX2-only host's case).
+    assert got["onednn"] == got["vllm_runs_onednn"]
     if got["onednn"]:
         assert all(r > 1e8 for r in got["rates"].values())
     assert got["refused"]
@@ -466,8 +497,8 @@ def test_the_cpu_generation_is_read_from_cpuinfo():
 # the caches in plain vLLM; AFD's attention core never runs an mlp).
 # The AVX-512 Zen 4 VM's pair (2026-12-04, benchmarks/results/avx512-host/) met it in 45
 # of 64 (README "Planning a deployment" has the tables).
-# strict: once a re-calibration meets 15 % everywhere for a part, its xfail fails and
-# must go.
+# Each part is held to what the committed pair meets (PREDICTION_BOUNDS): a re-
+# calibration that does worse fails, one that does better tightens the bound.
 @pytest.fixture(scope="module")
 def cpu_rows():
     if not CPU_PROFILE.is_file():
@@ -495,15 +526,22 @@ def test_the_auto_policys_run_is_predicted_at_the_m_its_rule_chose(cpu_rows):
     assert [(r.batch, r.microbatches) for r in auto_rows] == sorted(chosen.items())
 
 
-NOT_WITHIN_15 = pytest.mark.xfail(strict=True, reason="CPU prediction not within 15 % (see "
-                                  "the comment above cpu_rows)")
+# part: (cells of 16 allowed outside benchcheck.TOLERANCE (15 %), the bound no cell
+# may pass). The FFN and the ratio meet 15 % everywhere; attention misses at one cell
+# (-17 %), the link at five (-16 to -21 %, microseconds: 0.04 against 0.05 ms a step).
+PREDICTION_BOUNDS = {"ffn": (0, 0.15), "ratio": (0, 0.15), "attention": (1, 0.20),
+                     "link": (5, 0.25)}
 
 
-@pytest.mark.parametrize("part", [p if p in ("ffn", "ratio") else
-                                  pytest.param(p, marks=NOT_WITHIN_15)
-                                  for p in benchcheck.PARTS])
-def test_cpu_profile_predicts_make_bench_within_15_percent(cpu_rows, part):
+@pytest.mark.parametrize("part", benchcheck.PARTS)
+def test_cpu_profile_predicts_make_bench_within_its_bound(cpu_rows, part):
     _, _, rows = cpu_rows
-    misses = {(r.batch, r.microbatches): f"{r.error(part):+.0%}" for r in rows
-              if abs(r.error(part)) > benchcheck.TOLERANCE}
-    assert not misses, f"{part}: {misses}\n{benchcheck.table(rows)}"
+    allowed, bound = PREDICTION_BOUNDS[part]
+    errors = {(r.batch, r.microbatches): r.error(part) for r in rows}
+    misses = {k: f"{e:+.0%}" for k, e in errors.items() if abs(e) > benchcheck.TOLERANCE}
+    table = benchcheck.table(rows)
+    assert len(misses) <= allowed, f"{part}: {len(misses)} cells outside " \
+        f"{benchcheck.TOLERANCE:.0%} (at most {allowed}): {misses}\n{table}"
+    worst = max(errors.items(), key=lambda kv: abs(kv[1]))
+    assert abs(worst[1]) <= bound, f"{part}: {worst[1]:+.0%} at (B, m) = {worst[0]}, " \
+        f"past {bound:.0%}\n{table}"

@@ -24,7 +24,6 @@ sys.path.insert(0, str(REPO / "tools" / "gpu_check"))
 from roles import MAX_UBATCHES, AttentionRole, FFNRole, sample_batch  # noqa: E402
 from servers import free_port  # noqa: E402
 
-from vllm.afd.attention import status as link_status  # noqa: E402
 from vllm.afd.attention.pool import Pool  # noqa: E402
 from vllm.afd.transport.config import LinkConfig  # noqa: E402
 from vllm.afd.transport.errors import AFDLinkDown  # noqa: E402
@@ -232,7 +231,6 @@ def test_pool_configuration_errors():
     with pytest.raises(ValueError, match="ffn_hosts cannot be combined"):
         AFDConfig(ffn_pool=["127.0.0.1:7700"], num_ffn_ranks=1, ffn_hosts=["127.0.0.2"])
     assert AFDConfig(ffn_pool=["[::1]:7700", "10.0.0.2:7800"]).link_config().has_pool()
-    assert link_status.READY == "ready"
 
 
 # ------------------------------------------------------------ real servers
@@ -267,7 +265,7 @@ def test_pool_of_ffn_servers_under_kills(models_dir, tmp_path):
 
     import openai
     from oracle import engine_cli_args
-    from servers import Server, cpu
+    from servers import Server, cpu, metric_samples
     from test_oracle import run_oracle
 
     model = models_dir / "tiny-qwen3-moe"
@@ -368,8 +366,21 @@ def test_pool_of_ffn_servers_under_kills(models_dir, tmp_path):
             assert doc["state"] == "ready", doc
         assert failovers, "no step was in flight on FFN A when it died"
         assert max(failovers) < FAILOVER_BOUND_S, failovers
-        _, metrics = attns[0].get("/metrics")
-        assert "vllm_afd_failovers_total" in metrics and "vllm_afd_pool_member_up" in metrics
+        # Each attention server's metrics count what its /afd/status says: its
+        # failovers (one observation each), A down and B up in its pool.
+        for server in attns:
+            doc, metrics = status(server), server.get("/metrics")[1]
+            assert sum(metric_samples(metrics, "vllm_afd_failovers_total").values()) \
+                == doc["failovers"], doc
+            assert sum(metric_samples(metrics, "vllm_afd_failover_seconds_count").values()) \
+                == sum(doc["failover_seconds"]["counts"]) \
+                == len(doc["last_failover_seconds"]), doc
+            member_up = {dict(labels)["endpoint"]: v for labels, v in
+                         metric_samples(metrics, "vllm_afd_pool_member_up").items()}
+            assert member_up == {f"127.0.0.1:{a.afd_port}": 0.0,
+                                 f"127.0.0.1:{b.afd_port}": 1.0}, member_up
+        pids = {r: attns[r].proc.pid for r in (0, 1)}
+        engine_pids = {r: status(attns[r])["pid"] for r in (0, 1)}
 
         # 2. FFN C joins under load.
         c.wait_ready()
@@ -384,6 +395,9 @@ def test_pool_of_ffn_servers_under_kills(models_dir, tmp_path):
             assert time.monotonic() < deadline, members_0
         workers_c = json.loads(c.get("/afd/status")[1])["workers"]
         assert workers_c[0]["steps"] > 0, workers_c
+        # No attention server restarted: the same server and engine processes.
+        assert {r: attns[r].proc.pid for r in (0, 1)} == pids
+        assert {r: status(attns[r])["pid"] for r in (0, 1)} == engine_pids
 
         # 3. 2A:1F (B leaves the pool): attention server 1 killed mid-stream,
         # server 0's stream goes on through the FFN they shared.

@@ -124,15 +124,6 @@ class AFDWorkerMixin:
 
         return runner._link.document() if runner._link is not None else {}
 
-    def afd_kernels(self) -> dict:
-        """The kernels this worker's layers run (plain or either AFD role):
-        attention backends and ISAs, linear kernels, MoE experts
-        (model/kernels.py); tests report which kernels ran."""
-        from vllm.afd.model.kernels import kernel_report
-
-        return kernel_report(self.model_runner.get_model(),
-                             self.vllm_config.compilation_config.static_forward_context)
-
     def afd_stop_ffn_loop(self) -> None:
         if self._afd_ffn_loop is not None:
             self._afd_ffn_loop.stop()

@@ -151,17 +151,18 @@ def gemm_flops(threads: int, dtype_name: str) -> dict[int, float]:
 
 def _vllm_cpu_kernels_loaded(what: str) -> bool:
     """Whether vLLM's CPU kernels are loaded (as its CPU platform loads them for
-    this ISA); where they cannot be (no vLLM, a GPU build), torch stands in for
-    `what` and the calibration says so."""
+    this ISA); where there are none (no vLLM, a GPU build), torch stands in for
+    `what` and the calibration says so. On a CPU build they must load: a failure
+    there is raised, not measured around (vLLM itself could not run)."""
     try:
         from vllm.platforms import current_platform
-
+    except ImportError as e:
+        reason = str(e)
+    else:
         if current_platform.is_cpu():
             current_platform.import_kernels()
             return True
         reason = "not a CPU build"
-    except Exception as e:  # noqa: BLE001 - any failure means: no such kernel here
-        reason = str(e)
     logger.info("vLLM's %s is not available (%s): torch linear stands in", what, reason)
     return False
 
