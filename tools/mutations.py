@@ -188,7 +188,8 @@ def _drop_bytecode(path: Path) -> None:
 
 def run_tests(tests: tuple[str, ...], extra: tuple[str, ...] = ()) -> tuple[int, list[str], str]:
     """pytest on `tests`: its exit status, the failed or erroring node ids, its output."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "-p", "no:cacheprovider",
+    # -P: `python -m` would put the checkout (and its vllm/ tree) first on sys.path.
+    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-x", "-rfE", "-p", "no:cacheprovider",
            *extra, *tests]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
     out = proc.stdout + proc.stderr

@@ -379,7 +379,7 @@ def test_calibration_times_vllms_own_moe_kernel():
     sixteen share one read). In a process of its own: resolving vLLM's platform
     sets environment variables, and the measurement torch's thread count, which
     the tests after it in this process must not inherit."""
-    out = subprocess.run([sys.executable, "-c", CALIBRATE_MOE], capture_output=True,
+    out = subprocess.run([sys.executable, "-P", "-c", CALIBRATE_MOE], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     rates = json.loads(out.stdout.strip().splitlines()[-1])
@@ -396,6 +396,10 @@ def test_calibration_times_vllms_own_moe_kernel():
     assert max(r for rows, r in rates.items() if rows >= 4) > 1.5 * rates[1.0]
 
 
+# The children run with -P: `python -c` from the checkout would put its vllm/
+# tree first on sys.path instead of the installed wheel.
+
+
 def vendored_flavor() -> str:
     return json.loads((REPO / "vllm" / "_afd_vendor.json").read_text())["flavor"]
 
@@ -408,7 +412,7 @@ def test_calibration_raises_when_the_cpu_flavors_kernels_do_not_load():
     code = ("from vllm.platforms import current_platform\n"
             "def broken():\n    raise OSError('libvllm_cpu.so: undefined symbol')\n"
             "current_platform.import_kernels = broken\n" + CALIBRATE_MOE)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode != 0
     assert "OSError: libvllm_cpu.so: undefined symbol" in out.stderr
@@ -441,7 +445,7 @@ def test_calibration_takes_torch_linear_where_onednn_cannot_run_bf16():
     build a bf16 matmul (AVX2-only CPUs: `could not create a primitive
     descriptor`); calibrate must do the same, not die. On such a host the first
     half fails without the rule; the second plays such a oneDNN everywhere."""
-    out = subprocess.run([sys.executable, "-c", CALIBRATE_DENSE], capture_output=True,
+    out = subprocess.run([sys.executable, "-P", "-c", CALIBRATE_DENSE], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])

@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from servers import cpu, free_port
-from stock import stock_site
+from stock import STOCK_DIFFERS, stock_site
 from test_families import check_routed
 from test_oracle import (
     ORACLE, assert_micro_batched, assert_routing, assert_same, ffn_server, ffn_stats, run_oracle)
@@ -60,9 +60,6 @@ V2 = {"VLLM_AFD_TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
 # families ran on V2 by hand (README: where it has run).
 FAMILIES = ["tiny-qwen3-moe", "tiny-deepseek-v3"]
 PROMPTS = ("--num-prompts", "5")
-# fix_cpu_rotary_embedding_3d_inputs.patch changes plain vLLM's MLA on purpose
-# (test_stock_reference.py): compared with the patched tree's own plain V2 run.
-ROTARY_FIXED = {"tiny-deepseek-v3"}
 
 
 def _oracle_matrix(out: Path, models: list[Path], *args: str, env: dict) -> None:
@@ -124,10 +121,12 @@ def test_family_on_v2_matches_stock_vllm_on_v2(models_dir, stock_v2, afd_v2, nam
     stock = _result(stock_v2, name, "plain")
     assert stock["vllm"]["afd"] is False and stock["vllm"]["version"] == "0.32.0"
     plain, afd = _result(afd_v2, name, "plain"), _result(afd_v2, name, "afd")
-    if name in ROTARY_FIXED:  # the first token of each prompt, then the patched tree
+    if name in STOCK_DIFFERS:  # a fix patch changes plain vLLM on purpose (tools/stock.py)
         for theirs, mine in zip(stock["results"], plain["results"]):
             assert theirs["token_ids"][0] == mine["token_ids"][0]
-        reference, against = plain, "patched plain V2 (rotary fix; first tokens as stock)"
+        assert stock["results"] != plain["results"]  # else STOCK_DIFFERS is stale
+        reference, against = plain, f"patched plain V2 ({STOCK_DIFFERS[name]}; first " \
+            "tokens as stock)"
     else:
         reference, against = stock, "stock vLLM 0.32.0 on V2"
     assert_same(reference, afd)
