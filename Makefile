@@ -178,8 +178,14 @@ models: $(VENV)/.stamp
 
 # vLLM's model-info cache for the tiny checkpoints' architectures, filled in
 # one process instead of one vLLM import per architecture (tools/warm_model_info.py).
-$(MODELINFO_STAMP): $(WHEEL_STAMP) tools/make_tiny_models.py tools/warm_model_info.py
-	$(PY) tools/warm_model_info.py $(MODELS)
+# vLLM's model-info cache filled before the tests, for this tree and for stock
+# vLLM (the tests' reference, tools/stock.py, its own cache): cold, vLLM inspects
+# each architecture in a fresh subprocess (~15 s each on a 2-core VM).
+$(MODELINFO_STAMP): $(WHEEL_STAMP) tools/make_tiny_models.py tools/warm_model_info.py tools/stock.py \
+		tests/stand_ins/torchvision/__init__.py
+	PYTHONPATH=tests/stand_ins $(PY) tools/warm_model_info.py $(MODELS)
+	PYTHONPATH="$$($(PY) tools/stock.py):tests/stand_ins" \
+		VLLM_CACHE_ROOT=$(CURDIR)/build/stock/vllm-cache $(PY) tools/warm_model_info.py $(MODELS)
 	touch $@
 
 # Fast loop while developing vllm/afd: test the vendored tree in place (the
