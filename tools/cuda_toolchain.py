@@ -218,7 +218,7 @@ def _extract(path: Path, wheel: Wheel, dest: Path) -> None:
                 out.chmod(mode)
 
 
-def cached(wheels: list[Wheel]) -> list[str]:
+def not_downloaded(wheels: list[Wheel]) -> list[str]:
     """The files of `wheels` not yet in the download cache."""
     return [w.file for w in wheels if not (cache_dir() / w.file).exists()]
 

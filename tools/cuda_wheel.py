@@ -38,8 +38,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_toolchain import ToolchainError, base_torch, ensure, needed  # noqa: E402
-from cuda_toolchain import cache_dir as toolchain_cache  # noqa: E402
+from cuda_toolchain import (  # noqa: E402
+    ToolchainError, base_torch, cache_dir as toolchain_cache, ensure, needed, not_downloaded)
 from upstream import PinError, fetch_base_wheel, load_pin  # noqa: E402
 from upstream import cache_dir as wheel_cache  # noqa: E402
 
@@ -78,14 +78,10 @@ def _not_cached(pin_root: Path) -> str | None:
     base = wheel_cache() / pin.flavor("cuda").wheel
     if not base.exists():
         return f"the vllm {pin.version} base wheel is not downloaded ({base})"
-    missing = [f for f in _toolchain_files(base) if not (toolchain_cache() / f).exists()]
+    missing = not_downloaded(needed(base_torch(base)))
     if missing:
         return f"toolchain wheels not downloaded to {toolchain_cache()}: {', '.join(missing)}"
     return None
-
-
-def _toolchain_files(base: Path) -> list[str]:
-    return [w.file for w in needed(base_torch(base))]
 
 
 def _scratch_copy(repo: Path, src: Path, next_version: str | None) -> None:

@@ -29,3 +29,14 @@ def logprob_errors(model: Path, result: dict) -> list[float]:
             logprobs = torch.log_softmax(hf(ids).logits[0, -1].float(), -1)
         errors.append(abs(r["logprobs"][0] - float(logprobs[r["token_ids"][0]])))
     return errors
+
+
+def check_patched_is_right(model: Path, ours: dict, stock: dict) -> str:
+    """Where a fix patch makes the patched tree's plain answer differ from stock's:
+    ours is transformers' (first-token logprobs within 1e-4), stock's is not.
+    Returns the figures, for the report."""
+    ours_off, stock_off = logprob_errors(model, ours), logprob_errors(model, stock)
+    assert max(ours_off) < 1e-4, ours_off
+    assert max(stock_off) > 1e-4, stock_off
+    return (f"transformers' first-token logprobs: ours within {max(ours_off):.0e}, "
+            f"stock {max(stock_off):.0e} off")
