@@ -131,6 +131,18 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
         return e.code, e.read().decode(errors="replace")
 
 
+def status_dirs_left(pid: int, since: float) -> list[str]:
+    """/dev/shm's AFD status directories owned by pid, made at or after since."""
+    left = []
+    for path in Path("/dev/shm").glob(f"vllm-afd-status-{pid}-*"):
+        try:
+            if path.stat().st_ctime >= since - 1:
+                left.append(path.name)
+        except FileNotFoundError:
+            pass  # removed while we looked
+    return left
+
+
 def metric_samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     """The samples named `name` in a Prometheus text scrape, by sorted labels."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -152,6 +164,7 @@ class Server:
         self.env = dict(os.environ, **(env or {}))
         self.name = name
         self.proc: subprocess.Popen | None = None
+        self.started_at = 0.0  # time.time() at start()
 
     @property
     def url(self) -> str:
@@ -164,11 +177,18 @@ class Server:
     def start(self) -> Server:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
+        self.started_at = time.time()
         self.proc = preload.popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, env=self.env,
                                   start_new_session=True)
         log.close()
         return self
+
+    def status_dirs_left(self) -> list[str]:
+        """The AFD status directories this server made that still exist
+        (vllm/afd/attention/status.py). One named by the same pid but older
+        than this server was left by an earlier process that had its pid."""
+        return status_dirs_left(self.proc.pid, self.started_at)
 
     def log_tail(self, n: int = 40) -> str:
         try:

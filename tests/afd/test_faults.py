@@ -312,8 +312,7 @@ def stop_and_check(server: Server) -> None:
     # and resource-tracker notes; none of it may come from or through AFD code.
     for bad in ('/vllm/afd/', "died unexpectedly", "stop failed"):
         assert bad not in log, f"{server.name}: {bad!r} in log:\n{server.log_tail(60)}"
-    assert not [n for n in os.listdir("/dev/shm")
-                if n.startswith(f"vllm-afd-status-{server.proc.pid}-")]
+    assert not server.status_dirs_left()
 
 
 def test_sigterm_attention_first(story):

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 import preload
-from servers import cpu, free_port, http_get
+from servers import cpu, free_port, http_get, status_dirs_left
 from oracle import engine_cli_args
 from test_oracle import plain_result
 
@@ -283,7 +283,10 @@ def check_tokens(url: str, plain: dict, model: Path) -> None:
         assert diff <= 1e-5, (ref["prompt"], diff)
 
 
-def check_nothing_left(head, spec: dict, servers: dict[str, dict]) -> None:
+def check_nothing_left(head, spec: dict, servers: dict[str, dict], since: float) -> None:
+    """Nothing of the launch is left: actors, placement groups, server
+    processes, shared memory (status directories made since `since`; an older
+    one with a server's pid was an earlier process's)."""
     names = [f"{spec['name']}/{n}" for n in servers]
     deadline = time.monotonic() + 10
     while True:  # the actors' processes exit asynchronously after ray.kill
@@ -291,9 +294,8 @@ def check_nothing_left(head, spec: dict, servers: dict[str, dict]) -> None:
         left = [n for n, s in servers.items() if alive(s["pid"])]
         shm = sorted(p.name for p in Path("/dev/shm").glob("vllm-afd-*")
                      if p.name.startswith((f"vllm-afd-{spec['afd_port']}-",
-                                           f"vllm-afd-token-{spec['name']}")) or any(
-                         p.name.startswith(f"vllm-afd-status-{s['pid']}-")
-                         for s in servers.values()))
+                                           f"vllm-afd-token-{spec['name']}"))) + [
+            n for s in servers.values() for n in status_dirs_left(s["pid"], since)]
         if not (state["actors"] or state["groups"] or left or shm):
             return
         if time.monotonic() > deadline:
@@ -327,6 +329,7 @@ def test_launch_1a1f_serves_and_ctrl_c_leaves_nothing(models_dir, tmp_path, ray_
     spec's `executor: ray`): the server joins the launcher's cluster."""
     model = models_dir / MLA_MODEL
     spec = base_spec(models_dir, MLA_MODEL, ffn={"executor": "ray"})
+    started = time.time()
     launch = Launch(spec, tmp_path, ray_head.address)
     # Plain vLLM's answer, computed while the servers start.
     plain = concurrent.futures.ThreadPoolExecutor(1).submit(plain_result, model, tmp_path,
@@ -363,7 +366,7 @@ def test_launch_1a1f_serves_and_ctrl_c_leaves_nothing(models_dir, tmp_path, ray_
     assert "  attention-0 exited with status 0" in launch.text, launch.text
     assert "  ffn-0 exited with status 0" in launch.text, launch.text
     assert "stopped 2 server(s)" in launch.text
-    check_nothing_left(ray_head, spec, servers)
+    check_nothing_left(ray_head, spec, servers, started)
 
 
 def assert_secret_demanded(attention_pid: int) -> None:
@@ -394,6 +397,7 @@ def test_launch_2a1f_secret_through_ray_and_a_killed_server(models_dir, tmp_path
     spec = base_spec(models_dir, connector="tcp", attention={"servers": 2},
                      secret={"env": "VLLM_AFD_TEST_LAUNCH_TOKEN"})
     # Only the launcher has the secret; the Ray cluster was started without it.
+    started = time.time()
     launch = Launch(spec, tmp_path, ray_head.address,
                     env={"VLLM_AFD_TEST_LAUNCH_TOKEN": secret})
     plain = concurrent.futures.ThreadPoolExecutor(1).submit(plain_result, model, tmp_path)
@@ -433,4 +437,4 @@ def test_launch_2a1f_secret_through_ray_and_a_killed_server(models_dir, tmp_path
     assert f"last lines of {servers['attention-1']['log']}:" in launch.text
     assert "Application startup complete" in launch.text
     assert "stopped 3 server(s)" in launch.text
-    check_nothing_left(ray_head, spec, servers)
+    check_nothing_left(ray_head, spec, servers, started)

@@ -88,3 +88,27 @@ def test_without_a_status_directory_nothing_is_built(served_link, monkeypatch):
     one_step(link, 0.1)
     time.sleep(0.1)
     assert publishes == []
+
+
+def test_a_killed_servers_status_directory_is_removed_by_the_next(tmp_path, monkeypatch):
+    """SIGKILL leaves an API server's status directory behind (atexit never
+    runs); the next attention server removes it, and leaves a live one's."""
+    import os
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        gone = tmp_path / f"{link_status.PREFIX}{dead.pid}-abc"
+        reused = tmp_path / f"{link_status.PREFIX}{os.getpid()}-def"  # our pid, earlier owner
+        kept = tmp_path / f"{link_status.PREFIX}{alive.pid}-ghi"
+        for d in (gone, reused, kept):
+            d.mkdir()
+            (d / "link-a0.json").write_text("{}")
+        link_status.remove_orphans(tmp_path)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [kept.name]
+    finally:
+        alive.kill()
+        alive.wait()

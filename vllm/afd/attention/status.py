@@ -31,6 +31,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 ENV_STATUS_DIR = "VLLM_AFD_STATUS_DIR"
+PREFIX = "vllm-afd-status-"  # then the owning API server's pid, "-", mkdtemp's suffix
 
 # Link states, in the order a link usually goes through them.
 STARTING = "starting"  # model built, first connection attempt not made yet
@@ -56,7 +57,8 @@ def prepare_status_dir() -> str:
                                          or multiprocessing.parent_process() is not None):
         return path
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    path = tempfile.mkdtemp(prefix=f"vllm-afd-status-{owner}-", dir=base)
+    remove_orphans(Path(base or tempfile.gettempdir()))
+    path = tempfile.mkdtemp(prefix=f"{PREFIX}{owner}-", dir=base)
     os.environ[ENV_STATUS_DIR] = path
 
     def remove() -> None:
@@ -65,6 +67,26 @@ def prepare_status_dir() -> str:
 
     atexit.register(remove)
     return path
+
+
+def remove_orphans(base: Path) -> None:
+    """Remove the status directories of API servers that are gone (killed
+    with SIGKILL, their atexit never ran). One whose owner's pid is ours was
+    left by an earlier process that had this pid: we are not using it yet."""
+    for path in base.glob(f"{PREFIX}*-*"):
+        owner = path.name[len(PREFIX):].split("-", 1)[0]
+        if not owner.isdigit():
+            continue
+        if int(owner) != os.getpid():
+            try:
+                os.kill(int(owner), 0)
+                continue  # alive
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue  # alive, another user's
+        logger.debug("AFD: removing %s (its server is gone)", path)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def status_dir() -> Path | None:
