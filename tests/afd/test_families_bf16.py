@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from selection import selected
 from servers import free_port
 from stock import STOCK_DIFFERS
 from test_families import (ELSEWHERE, HYBRID, MATRIX, check_family, check_routed,
@@ -38,6 +39,22 @@ pytestmark = pytest.mark.slow
 
 DTYPE = "bfloat16"
 NAMES = sorted({*MATRIX, *ELSEWHERE.values()})
+# `make test` runs one family of each kind of bf16 path: the test model, a dense
+# one, MLA (CPU_MLA), attention sinks and biases (GPT-OSS), a shared expert
+# (Qwen2-MoE, served below), oneDNN's linear (HunYuan), a short-conv hybrid;
+# the two fix patches' stock differences; every hybrid. The other 14 families'
+# bf16 paths are these (their fp32 matrix, test_families.py, runs every one):
+# `make test-full` runs them all.
+CORE = {"tiny-qwen3-moe", "tiny-llama", "tiny-deepseek-v3", "tiny-gpt-oss",
+        "tiny-qwen2-moe", "tiny-hy-v3", "tiny-lfm2-moe"}
+MATRIX_TESTS = ("test_family_matches_plain_in_bf16",
+                "test_stock_differs_in_bf16_where_a_fix_patch_says",
+                "test_served_moe_family_in_bf16_with_micro_batches")
+
+
+def core_or_full(names) -> list:
+    return [n if n in CORE or n in HYBRID else pytest.param(n, marks=pytest.mark.full)
+            for n in names]
 AMX = torch.cpu._is_amx_tile_supported()
 TIMINGS: dict[str, float] = {}
 # Qwen3.5's vLLM module imports torchvision (through Qwen3-VL's): the hybrid
@@ -46,9 +63,12 @@ STAND_INS = Path(__file__).resolve().parents[1] / "stand_ins"
 
 
 @pytest.fixture(scope="module")
-def matrix(models_dir, tmp_path_factory):
+def matrix(models_dir, tmp_path_factory, request):
+    """The selected families' runs (all NAMES under `make test-full`)."""
     out = tmp_path_factory.mktemp("matrix-bf16")
-    TIMINGS["matrix"] = run_against_stock(models_dir, out, NAMES, DTYPE)
+    names = selected(request, "name", NAMES, MATRIX_TESTS)
+    TIMINGS["matrix"] = run_against_stock(models_dir, out, names, DTYPE)
+    TIMINGS["matrix of"] = len(names)
     return out
 
 
@@ -63,7 +83,7 @@ def hybrid_matrix(models_dir, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", NAMES + sorted(HYBRID))
+@pytest.mark.parametrize("name", core_or_full(NAMES + sorted(HYBRID)))
 def test_family_matches_plain_in_bf16(models_dir, request, name, kernel_paths):
     matrix = request.getfixturevalue("hybrid_matrix" if name in HYBRID else "matrix")
     plain, afd = check_family(models_dir, matrix, name)
@@ -79,7 +99,7 @@ def test_family_matches_plain_in_bf16(models_dir, request, name, kernel_paths):
     else:
         assert "sgl" not in kp["linear"] and "amx" not in kp["attention_isa"], kp
         assert not any("amx" in e for e in kp["moe_experts"]), kp
-    of = f"bf16 matrix of {len(NAMES)}: {TIMINGS.get('matrix', 0):.0f}s"
+    of = f"bf16 matrix of {TIMINGS.get('matrix of', 0)}: {TIMINGS.get('matrix', 0):.0f}s"
     if name in HYBRID:
         of = f"hybrid matrix of {len(HYBRID)}: {TIMINGS.get('hybrid', 0):.0f}s"
         moe = SUPPORTED[HYBRID[name]].moe
@@ -95,7 +115,7 @@ def test_family_matches_plain_in_bf16(models_dir, request, name, kernel_paths):
         f"({of})")
 
 
-@pytest.mark.parametrize("name", sorted(n for n in NAMES if n in STOCK_DIFFERS))
+@pytest.mark.parametrize("name", core_or_full(n for n in NAMES if n in STOCK_DIFFERS))
 def test_stock_differs_in_bf16_where_a_fix_patch_says(models_dir, matrix, name, kernel_paths):
     """The same fix patches part stock from the patched tree in bf16 (transformers'
     check is float32's: test_families.py, test_stock_reference.py)."""
@@ -170,7 +190,9 @@ def sgl_matrix(models_dir, tmp_path_factory):
         pytest.skip("AMX host (the bf16 matrix runs SGL's GEMM there) or no AVX512-BF16")
     out = tmp_path_factory.mktemp("matrix-bf16-sgl")
     fake = ("--fake-amx", "linear")
-    TIMINGS["sgl"] = run_matrix(models_dir, out, SGL, DTYPE, *fake)
+    # stock vLLM's linears chosen as on an AMX host too (oracle.py fakes it
+    # from outside the package): the reference, as in every matrix
+    TIMINGS["sgl"] = run_against_stock(models_dir, out, SGL, DTYPE, every_run=fake)
     (out / "routed").mkdir()
     TIMINGS["sgl routed"] = run_matrix(models_dir, out / "routed", SGL_ROUTED, DTYPE, *fake,
                                        "--afd-only", "--gate-on", "attention")

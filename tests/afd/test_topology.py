@@ -97,6 +97,7 @@ def assert_ray_actors(ray_head, pids: list[int], actor_class: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # ~2.5 min of a 2-core CI host; test_launch's 2A:1F deploys DP on Ray too
 def test_three_attention_two_ffn_uneven_with_data_parallel(models_dir, tmp_path, ray_head):
     """3A:2F: attention ranks 0 and 1 are the two data-parallel ranks of one
     `vllm serve --data-parallel-size 2 --data-parallel-backend ray` (its engines
