@@ -4,8 +4,20 @@
 # vllm-afd, cuda flavor: one image for both roles; the role is chosen at run time.
 #
 #   docker build -t vllm-afd:cuda .
-#   docker run --gpus all -p 8100:8100 -e VLLM_AFD_TOKEN vllm-afd:cuda MODEL --port 8100 \
+#
+# Two hosts over tcp (the same VLLM_AFD_TOKEN exported on both). The FFN publishes its
+# AFD port (AFDConfig.port, 7700; FFN rank f listens on 7700 + f) besides its HTTP port;
+# the attention server dials FFN_HOST:7700 and serves the API on 8000:
+#
+#   docker run --gpus all -p 8100:8100 -p 7700:7700 -e PORT=8100 -e VLLM_AFD_TOKEN \
+#       vllm-afd:cuda MODEL --port 8100 \
 #       --afd-role ffn --afd-config '{"host": "0.0.0.0", "connector": "tcp"}'
+#   docker run --gpus all -p 8000:8000 -e VLLM_AFD_TOKEN vllm-afd:cuda MODEL --port 8000 \
+#       --afd-role attention --afd-config '{"host": "FFN_HOST", "connector": "tcp"}'
+#
+# One host: the default shm connector needs both containers in the host's network and
+# IPC namespaces (its socket is an abstract unix socket, its segments are in /dev/shm):
+# add `--network host --ipc host` to both, drop -p and the tcp settings.
 #
 # Stage `build` makes the wheel with the README's make target; the CUDA kernels are
 # compiled by the pinned toolchain (tools/cuda_toolchain.py: nvcc and the CUDA torch's
@@ -38,7 +50,8 @@ USER 1000:1000
 WORKDIR /home/vllm
 # The HTTP port the health check asks: set it to the --port you serve on.
 ENV PORT=8000
-EXPOSE 8000
+# The HTTP port, and the FFN's AFD port (AFDConfig.port) for the attention servers.
+EXPOSE 8000 7700
 # Both roles answer /health on their HTTP port (503 while an attention server has no FFN).
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('PORT', '8000') + '/health', timeout=4)"]

@@ -21,7 +21,8 @@ CUDA_WHEEL_STAMP := build/.cuda-wheel
 CUDA_NEXT_STAMP := build/.cuda-wheel-next
 MODELINFO_STAMP := build/.modelinfo-$(FLAVOR)
 
-.PHONY: demo test test-v2 test-mutations test-as-host cuda-wheel cuda-wheel-next bench plan-check bench-link bench-layer-call bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
+.DEFAULT_GOAL := demo
+.PHONY: help demo test test-full test-v2 test-mutations test-as-host cuda-wheel cuda-wheel-next bench plan-check bench-link bench-layer-call bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
 
 demo: $(WHEEL_STAMP) models
 	$(PY) tools/demo.py --models $(MODELS)
@@ -39,10 +40,17 @@ $(TRITON_SHIM): $(VENV)/.stamp tools/triton_interpret/vllm_afd_triton_interpret.
 # Two xdist workers, a test module at a time (most tests wait on servers and
 # engines: one process kept about one of the two cores busy), slow modules first
 # (tests/conftest.py); then the `solo` tests, which measure the machine, alone.
-SUITE = $(VENV)/bin/pytest -q --durations=25 -n 2 --dist loadfile -m "not solo and not v2_served"; \
+# `make test` is CI's suite (under 25 minutes on a 2-core CI host); `make test-full`
+# adds the `full` tests (the rest of the bf16 matrix, DeepSeek on V2, the second and
+# third fp8 cases, 3A:2F with data parallelism on Ray, ...) and the v2_served ones.
+TIER ?= not full and not v2_served
+SUITE = $(VENV)/bin/pytest -q --durations=25 -n 2 --dist loadfile -m "not solo$(if $(TIER), and ($(TIER)))"; \
 	s=$$?; $(VENV)/bin/pytest -q -m solo; t=$$?; exit $$(( s ? s : t ))
 test: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(CUDA_NEXT_STAMP) $(MODELINFO_STAMP) $(TRITON_SHIM)
 	$(SUITE)
+
+test-full: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(CUDA_NEXT_STAMP) $(MODELINFO_STAMP) $(TRITON_SHIM)
+	$(MAKE) --no-print-directory test TIER=
 
 # AFD on Model Runner V2 (through Triton's interpreter on the CPU), all of it: what
 # `make test` runs of it (the stock-vLLM-on-V2 oracle, the seams) plus the served
@@ -147,10 +155,18 @@ soak: $(WHEEL_STAMP) models
 	$(PIP) install -q $(BENCH_REQUIREMENTS)
 	$(PY) benchmarks/soak.py $(ARGS)
 
+# The cpu flavor's torch (the +cpu build) is not on PyPI, whose torch is a CUDA build: pip
+# takes it from PyTorch's CPU wheel index, as vLLM's own CPU install does, unless pip's
+# configuration already offers it (a mirror, a local wheel directory).
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_CPU := $(shell sed -n 's/^torch==//p' requirements/dev.txt)+cpu
+TORCH_INDEX = $(if $(filter cpu,$(FLAVOR)),$$($(PIP) index versions torch 2>/dev/null | \
+	grep -qF '$(TORCH_CPU)' || echo --extra-index-url $(TORCH_CPU_INDEX)))
+
 env: $(VENV)/.stamp
 $(VENV)/.stamp: requirements/dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q -r requirements/dev.txt
+	$(PIP) install -q $(TORCH_INDEX) -r requirements/dev.txt
 	@command -v quilt >/dev/null || (command -v apt-get >/dev/null && \
 		(apt-get install -y -qq quilt >/dev/null 2>&1 || \
 		 (apt-get update -qq && apt-get install -y -qq quilt >/dev/null 2>&1)) || \
@@ -169,7 +185,7 @@ install: $(WHEEL_STAMP)
 $(WHEEL_STAMP): $(VENV)/.stamp $(AFD_SOURCES)
 	rm -f dist/vllm_afd-*.$(FLAVOR)-*.whl
 	VLLM_AFD_FLAVOR=$(FLAVOR) $(PIP) wheel . --no-deps --no-build-isolation -w dist/ -q
-	$(PIP) install -q dist/vllm_afd-*.$(FLAVOR)-*.whl
+	$(PIP) install -q $(TORCH_INDEX) dist/vllm_afd-*.$(FLAVOR)-*.whl
 	$(PIP) install -q --force-reinstall --no-deps dist/vllm_afd-*.$(FLAVOR)-*.whl
 	@mkdir -p build && touch $@
 
@@ -215,7 +231,41 @@ check-series: env
 
 docs: env
 	$(PY) tools/check_series.py --write-docs
+	$(PY) tools/config_doc.py
 
 clean:
 	rm -rf build dist .vendor .pc .pc-* *.egg-info .venv-upstream
 	find vllm -mindepth 1 -maxdepth 1 ! -name afd -exec rm -rf {} +
+
+# `make help`: every target, one line each (tests/test_readme.py checks it lists all of .PHONY).
+help:
+	@echo "vllm-afd make targets (FLAVOR=cpu|cuda, default cpu; ARGS=... passes options on):"
+	@echo "  demo              the default: build and install the wheel, serve a tiny MoE model with"
+	@echo "                    plain vLLM and with both AFD roles, compare the answers"
+	@echo "  test              the whole test suite (2 workers, then the solo tests)"
+	@echo "  test-full         make test and the tests it leaves out for time (\`full\`, v2_served)"
+	@echo "  test-v2           all of AFD on Model Runner V2, through Triton's interpreter"
+	@echo "  test-as-host      the suite with an older x86 host's kernels (HOST=avx2|avx512)"
+	@echo "  test-mutations    deliberate breakages each guarding test must catch (build/mutations/)"
+	@echo "  dev-test          the vendored tree in place, no wheel rebuild (ARGS=tests/afd)"
+	@echo "  upstream-test     upstream vLLM's tests of the patched modules, stock wheel vs ours"
+	@echo "  bench             AFD against plain vLLM on the same cores (benchmarks/README.md)"
+	@echo "  bench-link        a layer call's round trip through shm and tcp, by payload size"
+	@echo "  bench-layer-call  a layer call's cost beyond the FFN's compute, warm and cold"
+	@echo "  bench-kernels     the op library's pack/unpack against memcpy"
+	@echo "  bench-accuracy    what fp8 transfer does to greedy tokens"
+	@echo "  bench-launch      vllm-afd launch against starting the same servers by hand"
+	@echo "  soak              two roles under steady load for 10 minutes (ARGS=--quick: 1)"
+	@echo "  plan-check        re-measure the planner's cpu profile, compare with the last bench"
+	@echo "  cuda-wheel        the cuda wheel with its CUDA kernels, compiled without a GPU"
+	@echo "  cuda-wheel-next   the same on each release a carried series waits for"
+	@echo "  rebase            carry the patch series to a new vLLM (VERSION=..., docs/rebase.md)"
+	@echo "  env               the .venv with the build and test tools"
+	@echo "  vendor            materialize upstream vLLM with the patches into vllm/ (FORCE=1)"
+	@echo "  wheel             build the wheel into dist/"
+	@echo "  install           build and install the wheel into .venv"
+	@echo "  models            generate the tiny test models into build/models"
+	@echo "  check-series      check the patch series and docs/patches.md"
+	@echo "  docs              regenerate docs/patches.md and docs/configuration.md"
+	@echo "  clean             remove build outputs and the vendored tree"
+	@echo "  help              this list"

@@ -12,8 +12,10 @@ token agreement (the fraction of positions where AFD's token equals plain
 vLLM's), prompts identical over all tokens, the mean position of the first
 differing token, and the largest |logprob difference| over the positions before
 each prompt's first difference (after it the two runs continue different
-texts). 'auto' must agree exactly. --check asserts every row against BOUNDS,
-the bounds the README's accuracy section states. Writes OUT/fp8_accuracy.json.
+texts). The fp8 rows are data about the checkpoints measured (docs/fp8.md):
+how far a quantized run strays depends on the model, so they are not held to a
+bound; that the codec is the stated one is tests/afd/test_fp8.py's job.
+--check asserts that 'auto' agrees exactly. Writes OUT/fp8_accuracy.json.
 """
 
 from __future__ import annotations
@@ -35,16 +37,13 @@ TRANSFERS = {
     "fp8 both ways": "fp8",
 }
 
-# The stated bounds, per model kind, for 64 greedy tokens x 8 prompts (fp32
-# tiny models with random weights: their logits are nearly flat, so a small
-# change of the hidden states flips a greedy choice far more easily than in a
-# trained model; the bench model is the same kind, larger). Measured values
-# are in benchmarks/results/fp8_accuracy.json and the README.
+# What --check holds: 'auto' is exact (token agreement 1, |logprob diff| within
+# float32 noise). fp8 rows have no bound: on random tiny checkpoints, whose
+# logits are nearly flat, the same codec strays by different amounts from one
+# checkpoint to the next (docs/fp8.md).
 BOUNDS = {
     # transfer: (min token agreement, max |logprob diff| before the first difference)
     "auto": (1.0, 1e-5),
-    "fp8 to FFN": (0.5, 0.2),
-    "fp8 both ways": (0.5, 0.2),
 }
 
 
@@ -129,6 +128,8 @@ def check(rows_by_model: dict) -> list[str]:
     problems = []
     for model, rows in rows_by_model.items():
         for name, row in rows.items():
+            if name not in BOUNDS:
+                continue
             min_agree, max_diff = BOUNDS[name]
             if row["token_agreement"] < min_agree or row["max_logprob_diff"] > max_diff:
                 problems.append(f"{model} / {name}: {row} outside the bounds (agreement >= "
@@ -145,7 +146,8 @@ def main() -> int:
     ap.add_argument("--transfer", action="append", choices=list(TRANSFERS),
                     help="default: all of them")
     ap.add_argument("--port", type=int, default=17300)
-    ap.add_argument("--check", action="store_true", help="fail outside BOUNDS")
+    ap.add_argument("--check", action="store_true",
+                    help="fail unless 'auto' is exact (BOUNDS)")
     ap.add_argument("--out-dir", type=Path, default=None,
                     help="write fp8_accuracy.json there (default: print only)")
     args = ap.parse_args()

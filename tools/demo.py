@@ -8,7 +8,8 @@
 2. `vllm serve --afd-role ffn` and `vllm serve --afd-role attention` (FFN and
    MoE layers in one process, API and attention in the other, shared memory
    between them), the same requests, stop both;
-3. print both answers side by side, start-up times and resident memory.
+3. print both answers side by side, start-up times and resident memory, and
+   three recipes to try next (the README's deploy sections).
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ from servers import Server, cpu, free_port, tree_rss_mib  # noqa: E402
 
 COMMON = ["--max-model-len", "512", "--enforce-eager", "--dtype", "float32"]
 CHAT = [{"role": "user", "content": "Hello, who are you?"}]
+# What to try next: the README's deploy recipes (tests/test_readme.py checks the anchors).
+NEXT_STEPS = (
+    "next: your model on one host: vllm serve MODEL --afd-role ffn --port 8100, then "
+    "vllm serve MODEL --afd-role attention --port 8000 "
+    "(README.md#one-host-shared-memory-the-default)",
+    "next: two hosts over tcp, with a shared secret in VLLM_AFD_TOKEN "
+    "(README.md#two-hosts-over-tcp-with-a-secret)",
+    "next: a whole deployment on a Ray cluster: vllm-afd launch SPEC "
+    "(README.md#many-machines-vllm-afd-launch-on-ray)",
+)
 
 
 def ask(url: str, model: str, prompt: str, max_tokens: int) -> tuple[str, str]:
@@ -93,6 +104,9 @@ def main() -> int:
           f"(x{t_afd / t_plain:.2f}); RSS: plain {rss_plain:.0f} MiB, "
           f"FFN role {rss_ffn:.0f} MiB, attention role {rss_attn:.0f} MiB")
     print("(random weights: the text is noise; what matters is that it is the same)")
+    print()
+    for line in NEXT_STEPS:
+        print(line)
     return 0 if same else 1
 
 

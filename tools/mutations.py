@@ -87,6 +87,12 @@ MUTATIONS = [
               "FP8_MAX), amax),"),),
         ("tests/afd/test_pack_ops.py::test_composite_pack_is_the_kernels_bytes",)),
     Mutation(
+        "fp8-scale-group-not-the-stated-one",
+        "fp8 transfer is the format docs/fp8.md states (a scale per 128 elements)",
+        "installed", "vllm/afd/transport/wire.py",
+        (Edit("FP8_SCALE_GROUP = 128\n", "FP8_SCALE_GROUP = 64\n"),),
+        ("tests/afd/test_fp8.py::test_each_side_receives_the_reference_round_trip",)),
+    Mutation(
         "wrong-hmac-accepted",
         "an FFN server admits only a peer that proves the shared secret",
         "installed", "vllm/afd/transport/auth.py",

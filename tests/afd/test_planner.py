@@ -500,7 +500,7 @@ def test_the_cpu_generation_is_read_from_cpuinfo():
 # 51 of 64, attention 6 of 16 (+8 to +27 %: the mlps' weights evict the attention's from
 # the caches in plain vLLM; AFD's attention core never runs an mlp).
 # The AVX-512 Zen 4 VM's pair (2026-12-04, benchmarks/results/avx512-host/) met it in 45
-# of 64 (README "Planning a deployment" has the tables).
+# of 64 (benchmarks/results/history-readme.md has the tables).
 # Each part is held to what the committed pair meets (PREDICTION_BOUNDS): a re-
 # calibration that does worse fails, one that does better tightens the bound.
 @pytest.fixture(scope="module")

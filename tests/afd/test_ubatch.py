@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""Micro-batch splitting and the ping-pong turn ring (vllm/afd/ubatch.py).
+"""Micro-batch splitting and the ping-pong turn ring (vllm/afd/attention/runner.py,
+vllm/afd/attention/pingpong.py).
 
 The end-to-end proof (identical tokens with m = 2, 3, 4, eager and compiled)
 is in test_oracle.py; these check the pieces in isolation: balanced, never

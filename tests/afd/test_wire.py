@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""The attention<->FFN wire format (vllm/afd/wire.py): round trips of every
+"""The attention<->FFN wire format (vllm/afd/transport/wire.py): round trips of every
 message, and every check a received header must pass."""
 
 import gc

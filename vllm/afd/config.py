@@ -118,16 +118,17 @@ class AFDConfig:
     transfer_dtype: str | dict[str, str] = "auto"
     """How hidden states cross the link: 'auto' (the model's dtype, exact) or 'fp8'
     (float8 e4m3 with one float32 scale per 128 elements of a token: about half the
-    bytes of bf16; the README's accuracy section states its error). One value for
-    both directions, or per direction: {"to_ffn": "fp8", "to_attention": "auto"}.
-    Both roles must be given the same."""
+    bytes of bf16; docs/fp8.md gives its format, its error and what is tested). One
+    value for both directions, or per direction: {"to_ffn": "fp8", "to_attention":
+    "auto"}. Both roles must be given the same."""
 
     timeout_s: float = 60.0
     """Seconds to wait for a peer (connection, step, layer result) before failing
     with an error."""
 
     connector_extra_config: dict[str, Any] = field(default_factory=dict)
-    """Transport-specific options, passed to the connector as they are."""
+    """Transport-specific options, passed to the connector, which refuses keys it
+    does not read (each connector's keys: docs/configuration.md)."""
 
     token_file: str | None = None
     """File holding the secret shared by the attention and FFN servers (surrounding
@@ -295,7 +296,7 @@ class AFDConfig:
         config = cls(**values)
         if config.is_attention:
             # Before the engine processes start: they inherit where to publish
-            # the link's state for this process's /health (vllm.afd.link_status).
+            # the link's state for this process's /health (vllm.afd.attention.status).
             from vllm.afd.attention.status import prepare_status_dir
 
             prepare_status_dir()

@@ -8,31 +8,10 @@ touching a patch. Each seam is a no-op, or upstream's own behaviour, when AFD
 is off. Imports are lazy: upstream's platform detection and CLI import this
 module early, and must not pull in the rest of vllm/afd.
 
-    where (upstream)                                   seam
-    config/vllm.py       VllmConfig.afd_config         AFDConfig
-                         __post_init__ (start)         check_vllm_config
-                         __post_init__ (splitting ops) resolve_compilation
-    engine/arg_utils.py  CLI group, create_engine_config  add_afd_cli_args,
-                                                       afd_config_from_cli
-    model_loader         initialize_model, load_weights  build_model, filter_weights
-    models/*             the mlp construction           begin_mlp
-    v1/engine/core.py    EngineCore.__init__, step_fn   is_ffn_engine, guard_step
-    v1/worker/gpu_worker.py  Worker, init_device        AFDWorkerMixin, request_memory
-    v1/worker/gpu_model_runner.py  slices, builders,    maybe_ubatch_slices,
-      (Model Runner V1)  model call, _dummy_run         num_ubatches_for,
-                                                        model_forward, dummy_step
-    v1/worker/gpu/model_runner.py  execute_model,       step_scope, begin_step,
-      (Model Runner V2)  capture_model, ubatch runner,  capture_scope,
-                         the micro-batch choice         ubatch_runner, ubatched_step
-    entrypoints/cli/serve.py                            is_ffn_role, run_ffn_server
-    entrypoints/serve/middleware/register.py            install_api
-    entrypoints/generate/base/serving.py                raise_if_link_failed
-    entrypoints/cli/main.py, run_batch.py, snapshot/runtime.py,
-    platforms/__init__.py                               distribution_version
-    v1/executor/ray_executor_v2.py  RayWorkerProc,      ray_accelerator_ids,
-                         RayExecutorV2 (Ray on the CPU)  ray_actor_resources,
-                                                        ray_worker_bundles,
-                                                        ray_worker_runtime_envs
+Which patch calls which seam, in which upstream file: docs/patches.md,
+generated from the series (`make docs`); tools/check_series.py fails when a
+patch calls a name missing from __all__ below, or a name there is called by
+no patch.
 """
 
 import functools

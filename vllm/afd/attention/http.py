@@ -12,9 +12,9 @@ middleware registration).
   routes stay available.
 - GET /afd/status: each rank's link document (state, peer, last error and
   the counters), as the FFN server has one too.
-- /metrics gains the vllm_afd_* families (vllm.afd.metrics).
+- /metrics gains the vllm_afd_* families (vllm.afd.observability.metrics).
 
-The link itself runs in the engine processes; vllm.afd.link_status carries
+The link itself runs in the engine processes; vllm.afd.attention.status carries
 its state here.
 """
 

@@ -300,7 +300,7 @@ class AttentionLink:
     def _arm_fast(self, member, plan: StepPlan) -> None:
         """A step with a lone lead takes its connector's prepared calls when it
         has them: exchange()'s general path costs more than the link itself on
-        a cold cache (bench-link: 12 against 5 us a round trip, warm)."""
+        a cold cache (benchmarks/notes.md)."""
         self._fast = self._fast_ubatches = self._fast_lead = None
         lead = member.lead if self._member is member else None
         if lead is not None and not member.followers and lead.exchange_prepared():
@@ -317,7 +317,7 @@ class AttentionLink:
         written into out (caller-owned, same shape and dtype) and returned.
         out None: a new contiguous tensor like hidden_states, allocated after
         the send, while the FFN computes (on a CPU host's cold cache an
-        allocation costs ~15 us, on the path both sides wait on when made
+        allocation costs microseconds, on the path both sides wait on when made
         before the call). routing: the MoE routing (gate_on "attention").
         ubatch: the micro-batch; by default the ping-pong turn of this thread
         (0 outside one)."""

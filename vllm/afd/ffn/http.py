@@ -56,7 +56,7 @@ def build_app(engine):
     @app.get("/afd/status")
     def afd_status():
         """Per-worker FFN loop state and cumulative link statistics
-        (vllm.afd.stats): what benchmarks read before and after a run."""
+        (vllm.afd.observability.stats): what benchmarks read before and after a run."""
         try:
             return {"workers": engine.status()}
         except Exception as e:  # a dead worker

@@ -6,10 +6,10 @@ Once per layer call each role calls a module: the attention role's decoder
 layer its RemoteFFN, the FFN role's loop the layer's mlp. nn.Module.__call__
 is two Python frames, a tracing-state call and eight hook lookups before it
 reaches forward; on a CPU host, where the compute between two layer calls has
-streamed its weights through the caches, that measured ~28 us per call,
-against ~11 us for the same lookups made here and ~4 for calling forward
-(one process, medians after streaming 32 MB; warm, well under a microsecond
-either way). So: forward directly when __call__ would find nothing to run (no
+streamed its weights through the caches, each of those is a cache miss, and the
+machinery costs several times the same lookups made here (warm, well under a
+microsecond either way; figures: benchmarks/notes.md). So: forward directly
+when __call__ would find nothing to run (no
 hook of any kind, the module's or a global one, and no Module.compile()),
 nn.Module.__call__ otherwise, hooks and all.
 """

@@ -18,13 +18,13 @@ it graph-safe:
 
 In a model that is never traced (compilation mode NONE: enforce_eager),
 forward calls the op's function itself: the dispatcher's round trip into a
-Python kernel costs ~4 us per layer on a warm host (benchmarks/layer_call.py,
-"model" rows). What runs is the same function either way, except that the
-eager forward leaves the output's allocation to the link, which makes it
-after the send, while the FFN computes (an allocation costs ~15 us on a CPU
-host's cold cache, on the path both sides wait on when made before). The
-choice is made once, from the config: torch.compiler.is_compiling() would cost
-~10 us per call on a CPU host's cold cache, more than it saves there.
+Python kernel costs microseconds per layer (benchmarks/layer_call.py, "model"
+rows). What runs is the same function either way, except that the eager
+forward leaves the output's allocation to the link, which makes it after the
+send, while the FFN computes (on a CPU host's cold cache an allocation costs
+microseconds, on the path both sides wait on when made before). The choice is
+made once, from the config: torch.compiler.is_compiling() per call would cost
+more than it saves on a CPU host's cold cache (figures: benchmarks/notes.md).
 
 With gate_on "attention" a MoE layer's RemoteFFN also owns the layer's router
 linear (submodule `gate`, or gpt-oss's and Llama 4's `router`, loaded from the
@@ -75,7 +75,7 @@ class RemoteFFN(nn.Module):
 
     def __call__(self, *args, **kwargs):
         # An eager model skips nn.Module's call machinery where it would run
-        # nothing (model/module_call.py: ~28 us a layer on a cold cache).
+        # nothing (model/module_call.py: costly on a cold cache).
         if self.eager:
             return call_module(self, *args, **kwargs)
         return super().__call__(*args, **kwargs)
@@ -84,7 +84,7 @@ class RemoteFFN(nn.Module):
         if self.eager:
             # The link allocates the output once the hidden states are sent, while
             # the FFN computes (link.exchange without `out`): an allocation costs
-            # ~15 us on a CPU host's cold cache.
+            # microseconds on a CPU host's cold cache.
             return _exchange(hidden_states, None, self.layer_idx)
         # Contiguous whatever the input's strides: the link writes rows of bytes.
         output = torch.empty_like(hidden_states, memory_format=torch.contiguous_format)

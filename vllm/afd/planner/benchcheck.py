@@ -114,12 +114,12 @@ def check_host(bench: dict, hw: Hardware) -> None:
     if hw.cpu_model != bench_cpu:
         raise ValueError(f"the profile was measured on {hw.cpu_model!r}, the bench ran on "
                          f"{bench_cpu!r}: calibrate on the bench's host")
-    # One model name covers hosts of different ISAs (recorded since 2026-12-03).
+    # One model name covers hosts of different ISAs (older results lack the field).
     bench_isa = bench["machine"].get("cpu_isa")
     if hw.cpu_isa and bench_isa and hw.cpu_isa != bench_isa:
         raise ValueError(f"the profile was measured on a {hw.cpu_model} with {hw.cpu_isa}, the "
                          f"bench ran on one with {bench_isa}: calibrate on the bench's host")
-    # ... and of one ISA, CPUs of different generations (recorded since 2026-12-05).
+    # ... and of one ISA, CPUs of different generations (nor this one).
     bench_generation = bench["machine"].get("cpu_generation")
     if hw.cpu_generation and bench_generation and hw.cpu_generation != bench_generation:
         raise ValueError(f"the profile was measured on a {hw.cpu_model} of family/model "

@@ -12,9 +12,9 @@ gets on the same cores):
   table instead of one number. bf16 where vLLM's CPU kernels load: vLLM's own dense
   GEMM (oneDNN, as its CPU linear layers dispatch), at the bench model's attention
   projection shapes with the weights of several layers in turn, so the rate is what
-  a layer gets with its weights read from memory (on the 2026-12-03 AVX-512 VM
-  1.5 ms for one token's projections against 0.75 ms that the streaming bandwidth
-  alone would allow). Otherwise, and for fp32, torch's linear on a 2048 x 2048
+  a layer gets with its weights read from memory (which can be half what the
+  streaming bandwidth alone would allow: benchmarks/notes.md). Otherwise, and for
+  fp32, torch's linear on a 2048 x 2048
   weight that stays in the last-level cache (compute, not memory);
 - the same-host link: round trips of a hidden-state payload through the project's
   real shm connector between two processes on two cores (attention end, echo FFN
@@ -55,7 +55,7 @@ GEMM_SIZE = 2048
 LINK_HIDDEN = 2048  # the bench model's width; the line fit makes it general
 LINK_TOKENS = (1, 8, 16, 32, 64, 128)
 # Waits spin as they do in `make bench` (its --spin-us default: a core per role).
-# Unspun, every message is a wake-up: ~380 us one way on the 2026-12-03 VM.
+# Unspun, every message is a wake-up, which would dominate a small VM's link.
 LINK_SPIN_US = 50000
 LINK_LAYERS = 8
 BANDWIDTH_BUFFER_BYTES = 256 << 20
@@ -101,8 +101,8 @@ def cpu_isa() -> str:
 def cpu_generation() -> str:
     """The CPU's family and model numbers ("26/2"), or "" where none are
     given: hosts that one model name and ISA cover differ by them ("AMD EPYC"
-    with AVX-512 bf16 named a Zen 4 VM on 2026-12-04 and a Zen 5 one, its
-    layers 20-50 % faster, on 2026-12-05)."""
+    with AVX-512 bf16 has named both a Zen 4 and a Zen 5 VM, whose layers
+    differ by tens of percent: benchmarks/notes.md)."""
     family, model = _cpuinfo("cpu family"), _cpuinfo("model")
     return f"{family}/{model}" if family and model else ""
 
@@ -374,8 +374,8 @@ def shm_round_trips(cores: list[int], iters: int = 200) -> tuple[dict[int, float
     its header, then LINK_LAYERS round trips. A size's round trip is the median
     over steps of the step's calls' mean, the first call included (it waits while
     the echo reads the header); the header is the median time to send it. Medians
-    of single calls (before 2026-12-04) left out the header and the skew of the
-    calls' distribution: 20-25 % under the floor."""
+    of single calls would leave out the header and the skew of the calls'
+    distribution, and come out under the floor."""
     import torch
 
     from vllm.afd.transport import wire

@@ -18,8 +18,8 @@ On an AFD attention core no mlp runs: its layers' weights and KV cache stay in
 caches that, in plain vLLM, each mlp's expert weights sweep. So the attention
 half of the device table (one core: an AFD role's) is timed again with every
 mlp an identity (`attention_alone`): plain vLLM's attention half, on a core that
-also streams the mlps' weights, read 8-27 % slower than `make bench`'s AFD
-attention on the Zen 5 VM (2026-12-05).
+also streams the mlps' weights, reads slower than AFD's attention does
+(benchmarks/notes.md).
 
 The planner uses the table for that model only (cost.py); every other model
 still gets the roofline. It runs in a process of its own (its cores, its
@@ -102,9 +102,9 @@ def probe(model: str, batches: list[int], steps: int, attention_alone: bool = Fa
 
     def timed_passes(tag: str) -> dict[int, tuple[float, float, float]]:
         """Every batch size PASSES times, in turn, keeping the median pass of
-        each (by its step): a VM's slow phases last seconds and made one B read
-        30 % slow. Not the fastest pass (before 2026-12-04): `make bench`
-        reports medians, and the fastest of a few passes leans to the VM's fast
+        each (by its step): a VM's slow phases last seconds and can make one B
+        read tens of percent slow. Not the fastest pass: `make bench` reports
+        medians, and the fastest of a few passes leans to the VM's fast
         phases."""
         passes: dict[int, list[tuple[float, float, float]]] = {b: [] for b in batches}
         for pass_ in range(PASSES):

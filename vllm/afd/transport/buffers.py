@@ -107,8 +107,8 @@ class HostSlots:
         that returns once the bytes have landed (DeviceOps.copy_to_host). On
         an accelerator that is one host call with its wait inside, where
         slicing, byte views, an asynchronous copy, a stream lookup, an event
-        and a wait on it were seven (8-32 us each inside the link on the lent
-        H200, a gVisor sandbox)."""
+        and a wait on it would be seven, each costly inside a sandbox
+        (benchmarks/notes.md)."""
         nbytes = part.numel() * part.element_size()
         if nbytes > limit:  # a bug on this side, never the peer's
             raise ValueError(f"payload parts exceed the frame's {limit} bytes")

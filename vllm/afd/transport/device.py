@@ -166,7 +166,7 @@ class DeviceOps:
     def wait_host_settled(self, event: Any | None) -> None:
         """wait_host for work that has most likely finished (a slot's last
         read, fenced since by a later wait on the same stream): asking costs
-        a fifth of a wait on the H200 host (1.5 against 8 us)."""
+        a fraction of a wait (benchmarks/notes.md)."""
         if event is not None and not event.query():
             self.wait_host(event)
 

@@ -2,11 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """The shm connector's message ring: headers in shared memory, a doorbell to wake.
 
-Before this, every shm message was a frame on a unix socket: two system calls
-and, worse, a sleeping thread's wake-up per message (tens of microseconds on a
-VM, the whole round trip ~110 us with an idle core). Now each direction of a
-connection has a ring of RING_ENTRIES message entries in its shared-memory
-segment, after the payload slots:
+A frame on a socket per message would cost two system calls and, worse, a
+sleeping thread's wake-up per message (tens of microseconds on a VM). Instead
+each direction of a connection has a ring of RING_ENTRIES message entries in
+its shared-memory segment, before the payload slots:
 
     offset   0   u32 head      messages published (the sender's; the doorbell)
     offset  64   u32 sleeping  1 while the receiver sleeps on the socket
@@ -23,12 +22,11 @@ what it was: the rendezvous, the handshake, and how a dead or closed peer is
 noticed (EOF on the descriptor a sleeping receiver polls).
 
 Default: no spinning (DEFAULT_SPIN_US 0). On a host with more runnable
-threads than cores (this project's 2-core CI, which runs several servers at
-once) spinning slowed the suite's multi-server tests (3A:2F 94 s -> 166 s);
-on cores of their own (`make bench`, a GPU server's per-worker cores) set
-connector_extra_config {"spin_us": N} with N beyond the other side's compute of a
-layer (`make bench` uses 50000): 15-18 us round trips for 1-4 KiB instead of
-~40-70 (`make bench-link`).
+threads than cores (a CI machine running several servers at once) spinning
+slows everything, the spinner's own peer included; on cores of their own
+(`make bench`, a GPU server's per-worker cores) set connector_extra_config
+{"spin_us": N} with N beyond the other side's compute of a layer (`make bench`
+uses 50000): a round trip then pays no wake-up (figures: benchmarks/notes.md).
 
 CPU use: a wait inside a step (an answer is due) spins up to spin_us
 (connector_extra_config, default DEFAULT_SPIN_US), a wait without deadline (an
@@ -41,12 +39,11 @@ Preempted spins (the lane's backoff): a spinning waiter that finds a gap of 0.5 
 between two of its checks lost its core for a time slice. Once in a while that
 is another thread of the host waking briefly (the link's own once-a-second
 status thread, a server's timer): spinning still pays, and stopping it for a
-second on each such gap had turned spinning off almost always inside a serving
-process (measured: 354 of 536 waits of a `make bench` run at B = 1 slept, 60 us
-per wake-up); on the 2-core VM a thread spinning nonstop loses its core a few
-times a second to the host's own threads, which at B = 1 (160 waits a second) is
-about one spin in a hundred. Often (BACKOFF_PREEMPTIONS of the last SPIN_HISTORY
-spins; waits whose answer is already there do not spin and do not count) means
+second on each such gap would turn spinning off almost always inside a serving
+process, and a thread spinning nonstop on a small VM loses its core a few times
+a second to the host's own threads (benchmarks/notes.md). Often
+(BACKOFF_PREEMPTIONS of the last SPIN_HISTORY spins; waits whose answer is
+already there do not spin and do not count) means
 more runnable threads than cores, which take every spin longer than a time
 slice: a preempted spinner waits out another thread's time slice
 (milliseconds) where a sleeper is woken at once, so the
@@ -58,8 +55,7 @@ two wake-ups); an oversubscribed machine soon pays a few time slices per second
 and link. Only a gap with an involuntary context switch of the spinning thread
 counts as preempted: without one the time went to the hypervisor (another guest
 on this vCPU) or an interrupt, a VM's everyday noise, where sleeping helps no
-one, and the spin goes on. spin_us 0: never spin (every wait sleeps; the old
-latency).
+one, and the spin goes on. spin_us 0: never spin (every wait sleeps).
 
 The per-message path is C (csrc/cpu/lane.cpp, a `Lane` per connection):
 sending copies the payload into its slot, writes the entry and publishes it

@@ -165,7 +165,7 @@ class Hello(Message, tag="hello"):
 
 class AuthChallenge(Message, tag="auth_challenge"):
     """The FFN's answer to a Hello when it has a secret: its own challenge, and
-    its proof that it knows the secret (vllm/afd/auth.py)."""
+    its proof that it knows the secret (vllm/afd/transport/auth.py)."""
 
     nonce: Nonce
     proof: Proof

@@ -116,8 +116,8 @@ def _bounded(fn, timeout_s: float, what: str) -> Any:
 class NcclConnector(SocketConnector):
     name = "nccl"
     stages_through_host = False  # payloads stay on the device: both peers on CUDA
-    # No spin_us (refused, so its header socket never spins): never run on a GPU yet.
     extra_config_keys = frozenset()
+    """No options: its header socket never spins, so spin_us is refused."""
 
     def __init__(self, afd_config, *, communicator_factory: CommunicatorFactory | None = None,
                  **kwargs) -> None:

@@ -174,6 +174,23 @@ class ShmConnector(FastFrames, SocketConnector):
     name = "shm"
     stages_through_host = True
     extra_config_keys = frozenset({"notify", "spin_us", "stream_copies"})
+    """notify: "unix" (default) or "tcp", the socket that carries the rendezvous,
+    the handshake and the wake-ups. "unix" is a Linux abstract unix socket named
+    after the port (local only, nothing to clean up); "tcp" listens on
+    host:port, for containers that share /dev/shm but not a network namespace
+    (off loopback it needs a secret, as the tcp connector does).
+
+    spin_us: microseconds (0-1000000, default 0) a waiting side spins on the
+    message ring before it sleeps (transport/doorbell.py). Spinning spares a
+    wake-up per message but keeps a core busy while it waits, and slows every
+    process on a host with more runnable threads than cores: set it beyond the
+    other side's compute of a layer, and only where each role has cores of its
+    own.
+
+    stream_copies: "auto" (default), "on" or "off", how a payload goes into its
+    slot: cached or non-temporal (streamed) stores. "auto" times both per
+    direction (the sender's copy plus the receiver's read) and keeps the
+    cheaper, since which one wins depends on where the two cores sit."""
     spins_on_socket = False  # its waits spin on the rings (../doorbell.py)
 
     def __init__(self, afd_config, **kwargs) -> None:

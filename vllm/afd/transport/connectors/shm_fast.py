@@ -5,9 +5,10 @@
 The protocol API (send_hidden, recv_output on the attention side; recv_hidden,
 send_output on the FFN side) goes through many small Python functions: checks,
 a LayerFrame built and encoded, the slot copy, the ring entry, the doorbell;
-and on receipt the decode, wire.check_frame, the slot's view. Hot, that is
-10-15 us per call; after a layer's compute, on a VM where every page touched
-first costs microseconds, it measured 200-250 us per call (lane.cpp). Here the
+and on receipt the decode, wire.check_frame, the slot's view. After a
+layer's compute, on a VM where every page touched first costs microseconds,
+each of those lines is a string of cache misses on the path both sides wait
+on (the figures: benchmarks/notes.md). Here the
 attention side's send_hidden and recv_output (a step's calls that the prepared
 calls below did not carry) take one call into csrc/cpu/lane.cpp in the common
 case (the FFN's recv_hidden and send_output take the prepared calls):
@@ -35,8 +36,8 @@ with tcp_fast.py).
 
 Prepared layer calls (csrc/cpu/lane_calls.cpp): even one C call per message
 end left a stack of Python helpers around each layer call (the checks above,
-the template and slot lookups, the protocol state), 150-250 us per layer on the
-VM after a layer's compute. What is fixed for a step (per micro-batch: the
+the template and slot lookups, the protocol state), costly after a layer's
+compute for the same reason. What is fixed for a step (per micro-batch: the
 headers with step and micro-batch patched in, the slots, the sizes) is
 prepared once when the step begins (send_step on the attention side, recv_step
 on the FFN side), and a layer call is one C call with four numbers:
@@ -60,8 +61,7 @@ after it) into the slot (sending) or unpacks the slot's hidden states into the
 caller's tensor, on the FFN into the connector's unpack buffer (receiving; the
 routing is viewed in the slot), with afd::pack's row kernels
 (csrc/cpu/frame_codec.h): the general path's bytes, one C call instead of a
-dispatcher round trip and a dozen Python helpers per message end (bench-link,
-fp8 to the FFN, 1 KiB: 82 -> 3.5 us a round trip). A micro-batch has a plain
+dispatcher round trip and a dozen Python helpers per message end. A micro-batch has a plain
 and a routed frame prepared; the FFN's receive takes either (a step mixes
 dense and MoE layers). CUDA tensors with fp8 or routing are packed on the
 device (the op library's kernels, codec._encode) and staged; their frames are
@@ -76,9 +76,7 @@ frame leaving the payload in its slot, then copies it to the device on the
 consumer's stream, and the slot's event is settled before this side's next
 message on that micro-batch (which lets the peer write the slot again): the
 general path's Python and its event per copy are gone, two copies and one
-wait per side remain. On the lent H200 (gVisor) the runs spread too widely
-to show more than B = 1's 14 % (benchmarks/results/h200-host): CUDA's own
-host calls cost 8-100 us each there.
+wait per side remain.
 
 Mixed into ShmConnector (shm.py) ahead of the protocol classes.
 """

@@ -17,27 +17,17 @@ buffer (no copy besides the kernel's). The payload is read only after its
 LayerFrame passed wire.check_frame, and the announced length must equal the
 frame's nbytes, so no buffer is ever sized by an unchecked header.
 
-Why plain sockets and not pyzmq: round trips between two processes on the
-2-core dev box (header + payload each way, median-ish of 1000 runs, us):
-
-    payload                  0     1 KiB   16 KiB  256 KiB   1 MiB   4 MiB
-    zmq PAIR tcp           313      326      241      557     457    3057
-    zmq DEALER/ROUTER tcp  215      358      376      393     512    2673
-    zmq PAIR ipc           153      169      197      370    1062    2875
-    plain tcp socket        22       29      174      166     578    2435
-    plain unix socket       18       26       53      166     502    2352
-
-zmq's I/O thread adds two thread hand-offs per message, which dominates small
-messages (the common decode case) when cores are scarce; for large payloads
-all options are bound by copies. Plain sockets also report a dead peer at
-once (EOF/ECONNRESET), where zmq silently reconnects. TCP keepalive catches
-peers that vanish without a FIN (host down, partition).
+Why plain sockets and not pyzmq: zmq's I/O thread adds two thread hand-offs
+per message, which dominates small messages (the common decode case) when
+cores are scarce; for large payloads every option is bound by copies. Plain
+sockets also report a dead peer at once (EOF/ECONNRESET), where zmq silently
+reconnects. TCP keepalive catches peers that vanish without a FIN (host down,
+partition). (The measurements behind this: benchmarks/notes.md.)
 
 A step's layer calls take prepared calls (tcp_fast.py, csrc/cpu/sock_calls.cpp):
 one C call per message end, the frame's bytes before its payload fixed when
-the step begins. On the 2-core VM (`make bench-link`, two processes on two
-cores, spin_us 5000) a round trip at 1 KiB took 94 us through the general
-path and 16 us so; 123 -> 46 us at 64 KiB. See shm.py for shared memory.
+the step begins, so Python runs nothing per message. See shm.py for shared
+memory.
 
 Devices: CPU tensors are sent from and received into their own memory. For a
 device consumer or sender, payloads stage through page-locked host buffers (one
@@ -46,19 +36,16 @@ has landed before the first byte is sent, and a received payload is copied to
 the device asynchronously on the consumer's stream; the staging buffer is
 reused only after that copy (an event).
 
-connector_extra_config {"spin_us": N}: a wait for the next frame within a
-step (an answer, the next layer's hidden states) polls the socket for up to N
-us before it sleeps in the kernel; an idle wait (no deadline: no step yet)
-sleeps at once, so an idle link costs no CPU. On the 2-core VM the spin halved
-the round trip (1 KiB: 375-468 -> 144-195 us; `make bench-link`): a sleeping
-receiver's wake-up per message is what it spares; the rest there is the
-loopback stack's sendmsg (~17 us per call) and Python per message.
+connector_extra_config {"spin_us": N} (SocketConnector.extra_config_keys): a
+wait for the next frame within a step polls the socket for up to N us before it
+sleeps in the kernel, sparing a sleeping receiver's wake-up per message; an
+idle wait (no deadline: no step yet) sleeps at once, so an idle link costs no
+CPU.
 
 The socket is non-blocking for good (SocketLink): a frame that is there is
 read with three recv calls and sent with one sendmsg, poll() only when one
-must wait. Before, with Python's socket timeouts, each recv and send polled
-first and each settimeout set the descriptor's mode again: on the 2-core VM,
-100 steps of 50 layer calls under strace made 30,448 poll calls, now 185.
+must wait. Python's socket timeouts would poll before each recv and send and
+set the descriptor's mode again at each settimeout.
 
 The socket link (SocketLink) is also the header channel of the shm and nccl
 connectors, which move payloads elsewhere and announce payload length 0.
@@ -275,6 +262,12 @@ class SocketConnector(AFDConnector):
     authenticates = True  # see ../handshake.py and ../auth.py
     stages_through_host = True
     extra_config_keys = frozenset({"spin_us"})
+    """spin_us: microseconds (0-1000000, default 0) a wait for the next frame
+    within a step (an answer, the next layer's hidden states) polls the socket
+    before it sleeps in the kernel. Spinning spares the sleeping receiver's
+    wake-up per message, at the price of a busy core while it waits: set it only
+    where each role has cores of its own. A wait with no step in progress never
+    spins, so an idle link costs no CPU."""
     # Whether this connector's frames wait on the socket, so that spin_us
     # spins there (shm's wait on their rings and spin there: ../doorbell.py).
     spins_on_socket = True

@@ -6,9 +6,8 @@ What shm_fast.py does for the shm lane, for frames on a socket. Through the
 general path (attention_side.py, ffn_side.py, tcp.py's SocketLink) a layer
 call's message end is a dozen Python functions: the checks, a LayerFrame
 built and encoded, a sendmsg; on receipt three receives, the decode and
-wire.check_frame. On the 2-core VM a round trip at 1 KiB cost ~95 us that way
-(`make bench-link`), against ~18 us for the same frames through a bare Python
-loop of sendmsg and spinning receives.
+wire.check_frame: several times what the same frames cost through a bare loop
+of sendmsg and spinning receives (benchmarks/notes.md).
 
 So, as on shm, a step's layer calls are prepared when the step begins
 (send_step on the attention side, recv_step on the FFN side): per micro-batch
