@@ -9,10 +9,8 @@
 - no doc, docstring or comment names a vllm.afd module or a vllm/afd/ file
   that does not exist;
 - the seams have one inventory, docs/patches.md, generated from the series, and
-  tools/check_series.py holds seams.py's exports to what the patches call;
-- docs/*.md carry no dates: a date dates the prose around it (a measurement, a
-  "since"), which belongs in benchmarks/notes.md or git history. The one
-  exception is docs/patches.md, generated from the patches' Last-Update fields.
+  tools/check_series.py holds seams.py's exports to what the patches call.
+(That README and docs/ carry no dates is tests/test_readme.py's.)
 """
 
 import ast
@@ -247,23 +245,3 @@ def test_a_seam_no_patch_calls_is_found(tmp_path):
     problems = check_series.seam_problems(root)
     assert len(problems) == 1 and "call(s) vllm.afd.seams.begin_mlp" in problems[0]
 
-
-# ---------------------------------------------------------------- no dates
-DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
-GENERATED_WITH_DATES = {"patches.md"}  # the patches' Last-Update fields
-
-
-def dated_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if DATE.search(line)]
-
-
-def test_docs_carry_no_dates():
-    found = [f"docs/{p.name}: {line.strip()}" for p in sorted(REPO.glob("docs/*.md"))
-             if p.name not in GENERATED_WITH_DATES for line in dated_lines(p.read_text())]
-    assert found == [], ("move dated measurements to benchmarks/notes.md (with their "
-                         "source) and say the why without a date", found)
-
-
-def test_a_dated_line_is_found():
-    assert dated_lines("It ran on an H200 on 2026-12-04 (torch 2.11).") != []
-    assert dated_lines("protocol version 8, hidden 7168, 2048 x 2048") == []

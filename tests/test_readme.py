@@ -112,6 +112,8 @@ def test_readme_is_short_and_undated():
     lines = README.read_text().splitlines()
     assert len(lines) <= 300, f"README.md has {len(lines)} lines (at most 300)"
     dated = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b|\bthat (morning|afternoon|evening|night)\b")
+    assert dated.search("It ran on an H200 on 2026-12-04 (torch 2.11).")
+    assert not dated.search("protocol version 8, hidden 7168, 2048 x 2048")
     offenders = [f"{page.relative_to(REPO)}:{n}: {line.strip()[:80]}"
                  for page in [README, *sorted((REPO / "docs").rglob("*.md"))]
                  for n, line in enumerate(page.read_text().splitlines(), 1)

@@ -95,6 +95,11 @@ def _import_time_env(env: dict[str, str]) -> dict[str, str]:
 
 # ---------------------------------------------------------------- the preloader
 
+# Dispositions a process started by exec takes from its parent when they are
+# SIG_IGN (and has at their default otherwise).
+INHERITED_SIGNALS = (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
 def _run_child(request: dict, fds: list[int], own_fds: list[int],
                import_effects: dict[str, str]) -> None:
     """In the forked child: become the requested process, run it, exit."""
@@ -105,12 +110,17 @@ def _run_child(request: dict, fds: list[int], own_fds: list[int],
         # Python ignores SIGPIPE and SIGXFSZ (a write to a closed socket raises
         # BrokenPipeError) and raises KeyboardInterrupt on SIGINT. With SIGPIPE
         # at its default, a server's worker that wrote to a dead peer's socket
-        # (a pool member redialing a killed FFN) died without a word.
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
+        # (a pool member redialing a killed FFN) died without a word. A signal
+        # the requesting process ignores stays ignored, as it does across exec
+        # (a suite started in the background has SIGINT ignored: so has every
+        # `python` it starts, which then installs no KeyboardInterrupt handler).
+        ignored = set(request.get("ignored", ()))
+        for sig in INHERITED_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
         for sig in (signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(sig, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if signal.SIGINT not in ignored:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         if request["new_session"]:
             os.setsid()
         for target, fd in enumerate(fds):
@@ -450,6 +460,8 @@ def popen(cmd: list[str], *, stdin=None, stdout=None, stderr=None, env=None, cwd
     fds.append(fds[1] if stderr == subprocess.STDOUT else fd_of(stderr, 2))
     request = {"args": args, "env": env, "cwd": str(cwd or os.getcwd()),
                "new_session": start_new_session,
+               "ignored": [int(sig) for sig in INHERITED_SIGNALS
+                           if signal.getsignal(sig) == signal.SIG_IGN],
                "fork_for_spawn": env.get("VLLM_AFD_TEST_FORK_SPAWN") == "1"}
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
