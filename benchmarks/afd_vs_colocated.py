@@ -748,7 +748,7 @@ def echo_ffn_process(config: dict, hidden: int, dtype_name: str, max_tokens: int
     import torch
 
     from vllm.afd.config import AFDConfig
-    from vllm.afd.transport.connectors.base import create_connector
+    from vllm.afd.transport.connectors import create_connector
 
     pin(FFN_CORES)
     torch.set_num_threads(1)
@@ -807,7 +807,7 @@ def floor_for_m(m: int, args: argparse.Namespace, hidden: int, num_layers: int) 
     import torch
 
     from vllm.afd.config import AFDConfig
-    from vllm.afd.transport.connectors.base import create_connector
+    from vllm.afd.transport.connectors import create_connector
 
     dtype, port = getattr(torch, args.dtype), free_port()
     config = link_config(args, port, m)

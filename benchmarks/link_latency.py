@@ -67,7 +67,7 @@ def echo_ffn(connector: str, port: int, extra: dict, transfer: str, idle_s: floa
     is done (a step of zero layers), time the idle wait for the next step."""
     import torch
 
-    from vllm.afd.transport.connectors.base import create_connector
+    from vllm.afd.transport.connectors import create_connector
 
     pin(FFN_CORE)
     torch.set_num_threads(1)
@@ -142,7 +142,7 @@ def measure(connector: str, extra: dict, iters: int, idle_s: float,
     the connector itself costs."""
     import torch
 
-    from vllm.afd.transport.connectors.base import create_connector
+    from vllm.afd.transport.connectors import create_connector
     from vllm.afd.transport.wire import StepHeader
 
     port = free_port()

@@ -70,7 +70,17 @@ def test_it_is_forked_with_vllm_imported(tmp_path):
     assert fresh.stdout.strip() == "False"
 
 
-def test_exceptions_signals_and_sessions_as_in_a_fresh_process(tmp_path):
+@pytest.fixture
+def sigint_handled():
+    """SIGINT handled here, as in a shell's foreground: run from a background
+    job the suite has it ignored, and so then does every process it starts,
+    forked or fresh (test_signal_dispositions_as_in_a_fresh_process)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_exceptions_signals_and_sessions_as_in_a_fresh_process(tmp_path, sigint_handled):
     forked, fresh = both([sys.executable, "-c", "raise ValueError('boom')"], tmp_path)
     assert forked.returncode == fresh.returncode == 1
     assert "ValueError: boom" in forked.stderr

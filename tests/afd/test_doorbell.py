@@ -14,7 +14,7 @@ from test_connectors import HIDDEN, Background, free_port
 
 from vllm.afd.config import AFDConfig
 from vllm.afd.transport import doorbell
-from vllm.afd.transport.connectors.base import AFDConnectionError, create_connector
+from vllm.afd.transport.connectors import AFDConnectionError, create_connector
 from vllm.afd.transport.wire import StepHeader
 
 

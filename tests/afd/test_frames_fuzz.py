@@ -21,7 +21,9 @@ from test_connectors import (HIDDEN, MAX_TOKENS, Background, dial, free_port, ma
 from vllm.afd.transport import doorbell, wire
 from vllm.afd.transport.connectors import AFDConnectionError, ProtocolError
 from vllm.afd.transport.connectors import tcp
-from vllm.afd.transport.connectors.tcp import MAGIC, MAX_HEADER_BYTES, PREFIX
+from vllm.afd.transport.connectors.socket_link import (MAGIC, MAX_HEADER_BYTES, PREFIX,
+                                                       SocketLink)
+from vllm.afd.transport.errors import LinkClosed
 from vllm.afd.transport.wire import LayerFrame, StepHeader
 
 TOKENS = 4
@@ -283,14 +285,14 @@ def test_mutated_frames_over_a_socket_never_hang_or_crash_the_reader():
     for _ in range(200):
         frame = _mutate(raw_frame(wire.StepHeader(step_id=1, num_tokens=[2])), rng)
         a, b = socket.socketpair()
-        link = tcp.SocketLink(b, "fuzzer", stall_timeout_s=1.0)
+        link = SocketLink(b, "fuzzer", stall_timeout_s=1.0)
         try:
             a.sendall(frame)
             a.shutdown(socket.SHUT_WR)
             try:
                 header, payload_len = link.recv_message(None, lambda: None)
                 wire.decode(header, source="fuzzer")
-            except (ProtocolError, tcp.LinkClosed):
+            except (ProtocolError, LinkClosed):
                 pass
         finally:
             a.close()

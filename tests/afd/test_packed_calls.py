@@ -21,7 +21,7 @@ from test_pack_ops import reference_dequantize, reference_quantize
 from vllm.afd.config import AFDConfig
 from vllm.afd.kernels import ops
 from vllm.afd.transport import wire
-from vllm.afd.transport.connectors.base import create_connector
+from vllm.afd.transport.connectors import create_connector
 from vllm.afd.transport.connectors.prepared import frame_template
 from vllm.afd.transport.wire import StepHeader
 

@@ -24,7 +24,7 @@ from vllm.afd.observability.metrics import LinkCollector
 from vllm.afd.topology import FFNPlacement
 from vllm.afd.transport import doorbell
 from vllm.afd.transport.config import LinkConfig
-from vllm.afd.transport.connectors.base import AFDConnectionError, create_connector
+from vllm.afd.transport.connectors import AFDConnectionError, create_connector
 from vllm.afd.transport.wire import StepHeader
 
 

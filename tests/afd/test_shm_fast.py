@@ -16,7 +16,7 @@ from test_doorbell import echo, pair
 
 from vllm.afd.config import AFDConfig
 from vllm.afd.transport import doorbell, wire
-from vllm.afd.transport.connectors.base import AFDConnectionError, create_connector
+from vllm.afd.transport.connectors import AFDConnectionError, create_connector
 from vllm.afd.transport.connectors.prepared import frame_template
 from vllm.afd.transport.wire import ProtocolError, StepHeader
 

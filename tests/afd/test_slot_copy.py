@@ -15,7 +15,7 @@ from test_doorbell import echo
 
 from vllm.afd.config import AFDConfig
 from vllm.afd.transport import doorbell
-from vllm.afd.transport.connectors.base import create_connector
+from vllm.afd.transport.connectors import create_connector
 from vllm.afd.transport.connectors.prepared import frame_template
 from vllm.afd.transport.wire import StepHeader
 

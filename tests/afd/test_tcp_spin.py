@@ -17,7 +17,7 @@ from test_connectors import HIDDEN, Background, free_port
 from test_doorbell import echo, run_steps, wait_cpu_times
 
 from vllm.afd.config import AFDConfig
-from vllm.afd.transport.connectors.base import AFDConnectionError, create_connector
+from vllm.afd.transport.connectors import AFDConnectionError, create_connector
 from vllm.afd.transport.connectors.tcp import MAGIC, PREFIX, SocketLink
 from vllm.afd.transport.wire import StepHeader
 

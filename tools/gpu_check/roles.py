@@ -22,10 +22,9 @@ from vllm.afd.ffn.loop import FFNLoop
 from vllm.afd.topology import FFNPlacement
 from vllm.afd.transport.config import LinkConfig
 from vllm.afd.transport.device import DeviceContext
-from vllm.afd.transport.wire import Routing
+from vllm.afd.transport.wire import MAX_UBATCHES, Routing
 
 MAX_TOKENS = 64
-MAX_UBATCHES = 4
 
 
 def link_config(connector: str, port: int, role: str, timeout_s: float = 30.0,

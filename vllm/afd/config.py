@@ -20,7 +20,6 @@ from vllm.utils.hashing import safe_hash
 AFDRole = Literal["attention", "ffn"]
 AFDGatePlacement = Literal["ffn", "attention"]
 AFDUbatchPolicy = Literal["auto", "fixed"]
-MAX_UBATCHES = 4
 
 # Keys of afd-plugin's `--additional-config '{"afd": {...}}'` and their aliases,
 # mapped onto our fields so its users' recipes work unchanged.
@@ -168,6 +167,8 @@ class AFDConfig:
                 raise ValueError(f"AFDConfig.{name}: {getattr(self, name)} is not in 0-"
                                  f"{getattr(self, total) - 1} ({total} = "
                                  f"{getattr(self, total)})")
+        from vllm.afd.transport.wire import MAX_UBATCHES
+
         if not 1 <= self.num_ubatches <= MAX_UBATCHES:
             raise ValueError(f"AFDConfig.num_ubatches: {self.num_ubatches} is not in "
                              f"1-{MAX_UBATCHES}")

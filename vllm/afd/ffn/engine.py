@@ -19,11 +19,9 @@ class FFNEngine:
         from vllm.v1.engine.core import EngineCore
         from vllm.v1.executor import Executor
 
-        from vllm.afd.seams import is_ffn_engine
-
-        if not is_ffn_engine(vllm_config):
+        afd = getattr(vllm_config, "afd_config", None)
+        if afd is None or not afd.is_ffn:
             raise ValueError("FFNEngine needs a config with --afd-role ffn")
-        afd = vllm_config.afd_config
         if afd.connector == "loopback" and afd.num_ubatches > 1:
             # Both roles in one process share vLLM's process-wide forward
             # context, which the ping-pong threads switch while the FFN runs.

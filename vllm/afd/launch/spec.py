@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from vllm.afd.transport.config import MAX_UBATCHES
+from vllm.afd.transport.wire import MAX_UBATCHES
 
 # --afd-config keys the launcher sets itself (from the spec's structure).
 OWNED_AFD_KEYS = {"role", "connector", "host", "ffn_hosts", "port", "num_attention_ranks",

@@ -12,10 +12,9 @@ The field names are AFDConfig's, so their meaning is documented once, there.
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from vllm.afd.transport.wire import TRANSFER_DTYPES
+from vllm.afd.transport.wire import MAX_UBATCHES, TRANSFER_DTYPES
 
 ROLES = ("attention", "ffn")
-MAX_UBATCHES = 4
 
 
 @dataclass(frozen=True)

@@ -78,8 +78,8 @@ import time
 
 import torch
 
-from vllm.afd.transport.connectors.tcp import _HANGUP as HANGUP
-from vllm.afd.transport.connectors.tcp import SocketLink
+from vllm.afd.transport.connectors.socket_link import _HANGUP as HANGUP
+from vllm.afd.transport.connectors.socket_link import SocketLink
 from vllm.afd.transport.errors import LinkClosed, LinkTimeout, WaitCallback
 from vllm.afd.transport.wire import ProtocolError
 

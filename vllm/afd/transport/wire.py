@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 PROTOCOL_VERSION = 8
 MAX_TRANSPORT_BYTES = 16 * 1024  # a connector's handshake data
 
-MAX_UBATCHES = 4  # AFDConfig.num_ubatches is 1..4
+MAX_UBATCHES = 4  # AFDConfig.num_ubatches is 1..4 (its one definition)
 MAX_DIMS = 8
 MAX_TEXT = 4096  # reasons and error texts; a peer cannot make us log megabytes
 MAX_FINGERPRINT_ITEMS = 64

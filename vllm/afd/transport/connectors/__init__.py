@@ -7,8 +7,9 @@ package costs nothing beyond base.py.
 """
 
 from vllm.afd.transport.connectors.base import (AFDConnectionError, AFDConnector,
-                                                AFDTimeoutError, connector_names,
-                                                create_connector, register_connector)
+                                                AFDTimeoutError)
+from vllm.afd.transport.connectors.registry import (connector_names, create_connector,
+                                                    register_connector)
 from vllm.afd.transport.wire import ProtocolError
 
 __all__ = [

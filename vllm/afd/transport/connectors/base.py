@@ -553,11 +553,5 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
                              type(message).__name__, self.peer_name(peer), e)
 
 
-# The registry needs AFDConnector; importing it last keeps
-# `from vllm.afd.transport.connectors.base import create_connector` working.
-from vllm.afd.transport.connectors.registry import (  # noqa: E402
-    connector_class, connector_names, create_connector, register_connector)
-
 __all__ = ["AFDConnectionError", "AFDConnector", "AFDTimeoutError", "LinkClosed",
-           "LinkTimeout", "What", "WaitCallback", "LOG_INTERVAL_S", "connector_class",
-           "connector_names", "create_connector", "register_connector"]
+           "LinkTimeout", "What", "WaitCallback", "LOG_INTERVAL_S"]

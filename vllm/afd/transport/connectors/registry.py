@@ -14,7 +14,7 @@ import logging
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # base imports this module at its end
+if TYPE_CHECKING:
     from vllm.afd.transport.connectors.base import AFDConnector
 
 logger = logging.getLogger(__name__)

@@ -123,7 +123,7 @@ class SocketCalls:
                 or self._failure is not None or not self._connected
                 or getattr(link, "sock", None) is None):
             return
-        from vllm.afd.transport import doorbell  # imports tcp.py: not at the top
+        from vllm.afd.transport import doorbell
 
         C = doorbell.lane_module()
         if not hasattr(C, "sock_prepare"):  # an op library built before them
