@@ -242,7 +242,7 @@ help:
 	@echo "vllm-afd make targets (FLAVOR=cpu|cuda, default cpu; ARGS=... passes options on):"
 	@echo "  demo              the default: build and install the wheel, serve a tiny MoE model with"
 	@echo "                    plain vLLM and with both AFD roles, compare the answers"
-	@echo "  test              the whole test suite (2 workers, then the solo tests)"
+	@echo "  test              CI's test suite (2 workers, then the solo tests)"
 	@echo "  test-full         make test and the tests it leaves out for time (\`full\`, v2_served)"
 	@echo "  test-v2           all of AFD on Model Runner V2, through Triton's interpreter"
 	@echo "  test-as-host      the suite with an older x86 host's kernels (HOST=avx2|avx512)"

@@ -133,8 +133,10 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
 
 def status_dirs_left(pid: int, since: float) -> list[str]:
     """/dev/shm's AFD status directories owned by pid, made at or after since."""
+    from vllm.afd.attention.status import PREFIX
+
     left = []
-    for path in Path("/dev/shm").glob(f"vllm-afd-status-{pid}-*"):
+    for path in Path("/dev/shm").glob(f"{PREFIX}{pid}-*"):
         try:
             if path.stat().st_ctime >= since - 1:
                 left.append(path.name)
