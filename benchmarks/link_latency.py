@@ -210,7 +210,7 @@ def measure(connector: str, extra: dict, iters: int, idle_s: float,
     idle["idle_cpu_percent"] = 100 * idle["idle_cpu_s"] / max(idle["idle_wall_s"], 1e-9)
     if connector == "shm" and not attn.fast_calls:
         raise RuntimeError("the shm connector's fast path was never taken")
-    if connector == "tcp" and not attn.socket_calls:
+    if connector == "tcp" and not attn.fast_calls:
         raise RuntimeError("the tcp connector's prepared calls were never taken")
     return {**results, "idle": idle}
 

@@ -118,7 +118,7 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture
 def patient_waits(monkeypatch):
-    """Prepared layer calls (shm_fast.py, tcp_fast.py) that wait 5 s, not
+    """Prepared layer calls (step_calls.py) that wait 5 s, not
     doorbell.FAST_WAIT_MS, before the general path takes over: for tests that
     count them, which a busy host (the suite's other worker) can delay past
     the usual bound (a correct fallback, but one call fewer counted)."""

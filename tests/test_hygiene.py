@@ -40,3 +40,21 @@ def test_no_fixed_core_numbers():
 
     allowed = {str(c) for c in os.sched_getaffinity(0)}
     assert {cpu(i) for i in range(4)} <= allowed
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in tests/helpers/: a test module imported by
+    another runs its module-level code twice under two names and ties the
+    two files' fixtures and parametrisations together."""
+    import ast
+
+    tests = Path(__file__).resolve().parent
+    modules = {p.stem for p in tests.rglob("test_*.py")}
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(tests)}:{node.lineno} imports {name}"
+                      for name in names if name.split(".")[-1] in modules]
+    assert not found, "\n".join(found)

@@ -2,7 +2,7 @@
 // SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 //
 // A prepared layer call's payload when it is more than the tensor's bytes
-// (lane_calls.cpp, sock_calls.cpp): fp8 hidden states with their scales, and
+// (step_calls.cpp): fp8 hidden states with their scales, and
 // the MoE routing after them (gate_on "attention").
 //
 // Such frames used to leave the prepared calls for the connector's general

@@ -28,7 +28,7 @@
 // them too.
 //
 // A step's layer calls can also be prepared once and then made with four
-// numbers per message end (lane_calls.cpp); the Lane itself is in lane.h.
+// numbers per message end (step_calls.cpp); the Lane itself is in lane.h.
 //
 // Waiting (spin, then sleep on the socket) is the doorbell's
 // (afd_doorbell_wait, doorbell.cpp), with the backoff of preempted spins kept
@@ -283,13 +283,9 @@ PyMethodDef afd_lane_methods[] = {
     {"lane_copy_stats", lane_copy_stats, METH_VARARGS, nullptr},
     {"lane_note_spin", lane_note_spin, METH_VARARGS, nullptr},
     {"lane_may_spin", lane_may_spin, METH_VARARGS, nullptr},
-    {"lane_prepare", lane_prepare, METH_VARARGS, nullptr},
-    {"lane_post_call", lane_post_call, METH_VARARGS, nullptr},
-    {"lane_take_call", lane_take_call, METH_VARARGS, nullptr},
-    {"lane_call_times", lane_call_times, METH_VARARGS, nullptr},
     {"copy_floor", copy_floor, METH_VARARGS, nullptr},
-    {"sock_prepare", sock_prepare, METH_VARARGS, nullptr},
-    {"sock_post_call", sock_post_call, METH_VARARGS, nullptr},
-    {"sock_take_call", sock_take_call, METH_VARARGS, nullptr},
-    {"sock_call_times", sock_call_times, METH_VARARGS, nullptr},
+    {"step_calls_prepare", step_calls_prepare, METH_VARARGS, nullptr},
+    {"step_calls_post", step_calls_post, METH_VARARGS, nullptr},
+    {"step_calls_take", step_calls_take, METH_VARARGS, nullptr},
+    {"step_calls_times", step_calls_times, METH_VARARGS, nullptr},
     {nullptr, nullptr, 0, nullptr}};

@@ -3,7 +3,7 @@
 //
 // The shm message lane (lane.cpp has the why): both rings of one connection,
 // the message path each way, and the frame templates. Shared by lane.cpp (one
-// message per call) and lane_calls.cpp (a step's layer calls, prepared once).
+// message per call) and step_calls.cpp (a step's layer calls, prepared once).
 #pragma once
 
 #include <Python.h>
@@ -162,17 +162,12 @@ inline bool patch(const Template& t, uint8_t* out, unsigned long long step, unsi
 // The lane in a capsule made by lane_new (nullptr and a Python error if not one).
 Lane* lane_of(PyObject* capsule);
 
-// A step's layer calls, prepared once per step (lane_calls.cpp).
-PyObject* lane_prepare(PyObject*, PyObject* args);
-PyObject* lane_post_call(PyObject*, PyObject* args);
-PyObject* lane_take_call(PyObject*, PyObject* args);
-PyObject* lane_call_times(PyObject*, PyObject* args);
 PyObject* copy_floor(PyObject*, PyObject* args);  // copy_floor.cpp
 
-// A step's layer calls over a tcp socket (sock_calls.cpp).
-PyObject* sock_prepare(PyObject*, PyObject* args);
-PyObject* sock_post_call(PyObject*, PyObject* args);
-PyObject* sock_take_call(PyObject*, PyObject* args);
-PyObject* sock_call_times(PyObject*, PyObject* args);
+// A step's layer calls, prepared once per step, on the lane or a socket (step_calls.cpp).
+PyObject* step_calls_prepare(PyObject*, PyObject* args);
+PyObject* step_calls_post(PyObject*, PyObject* args);
+PyObject* step_calls_take(PyObject*, PyObject* args);
+PyObject* step_calls_times(PyObject*, PyObject* args);
 
 }  // namespace afd_lane

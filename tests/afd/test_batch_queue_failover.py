@@ -14,7 +14,7 @@ import pytest
 
 import preload
 from servers import cpu
-from test_oracle import assert_same, plain_result, run_oracle
+from helpers.oracle import assert_same, plain_result, run_oracle
 
 PROBE = Path(__file__).with_name("batch_queue_probe.py")
 LONG_TOKENS = 64

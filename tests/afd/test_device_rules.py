@@ -8,10 +8,8 @@ land after the host moved on) stands in for it, and the test says so. What
 only a GPU can show is in tools/gpu_check (stream-order, graphs).
 """
 
-import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,58 +22,13 @@ from vllm.afd.transport.config import LinkConfig
 from vllm.afd.transport.device import DeviceOps
 from vllm.afd.transport.errors import AFDTimeoutError
 from vllm.afd.transport.wire import StepHeader
+from helpers.connectors import Background, FakeNccl, connect_pair, free_port, make
+from helpers.connectors import HIDDEN as H
+from helpers.devices import DeferredOps
+from helpers.pairs import staged_tcp_pair
 
-from test_connectors import HIDDEN as H
-from test_connectors import Background, FakeNccl, connect_pair, free_port, make
 
 HIDDEN, MAX_TOKENS = 16, 32
-
-
-class DeferredOps(DeviceOps):
-    """A fake device: copies land `delay` seconds later on a worker thread and
-    read their source only then (as a DMA does); an event is the copy's
-    future. Stands in for a GPU, which cannot exist here."""
-
-    def __init__(self, delay: float = 0.2) -> None:
-        super().__init__("cpu")
-        self.delay = delay
-        self.pool = ThreadPoolExecutor(1)
-        self.writes = ThreadPoolExecutor(1)
-        self.last = None
-
-    def copy(self, dst, src) -> None:
-        def later():
-            time.sleep(self.delay)
-            dst.copy_(src)
-
-        self.last = self.pool.submit(later)
-
-    def copy_to_host(self, dst, src) -> None:
-        """Blocking: returns once the copy landed. On a worker of its own (as
-        if on another stream) and without the receives' delay: waiting for
-        the receives' copies before it, it would settle their slots itself and
-        the slot rules' negative controls (a no-op release) could not fail."""
-        self.landing(dst, src).result()
-
-    def landing(self, dst, src, delay: float = 0.0):
-        def later():
-            time.sleep(delay)
-            dst.copy_(src)
-
-        return self.writes.submit(later)
-
-    def record(self, event=None):
-        return self.last
-
-    def wait_host(self, event) -> None:
-        if event is not None:
-            event.result()
-
-    def wait_stream(self, event) -> None:
-        self.wait_host(event)
-
-    def wait_host_settled(self, event) -> None:  # a future has no query(): wait
-        self.wait_host(event)
 
 
 def shm_pair_on_a_deferred_device():
@@ -96,7 +49,7 @@ def shm_pair_on_a_deferred_device():
 
 def staged_shm_pair(attention_ops: DeferredOps | None = None):
     """An shm pair that takes the prepared calls as CUDA connectors do (staged
-    through their slots, shm_fast.py) on the fake asynchronous device: the
+    through their slots, shm_frames.py) on the fake asynchronous device: the
     attention side's copies out of the received slot land later (the FFN's
     fake device is the host's memory: it reads the slot in place).
     attention_ops: the attention side's fake device (a DeferredOps)."""
@@ -192,7 +145,6 @@ def test_a_staged_send_is_one_copy_that_has_landed_before_the_header(kind, lande
     an event and a wait: no record and no wait_host from the send side.
     landed=False returns from the copy before it lands: the negative control,
     where the FFN reads the slot's old bytes."""
-    from test_tcp_calls import staged_tcp_pair
 
     counting = CountingOps(landed=landed)
     if kind == "shm":

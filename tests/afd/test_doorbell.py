@@ -5,65 +5,17 @@ csrc/cpu/doorbell.cpp): every rule it relies on, each with a case that fails
 without it. Real connectors, two threads of one process; the latency itself
 is measured by `make bench-link`, not here."""
 
-import threading
 import time
 
 import pytest
 import torch
-from test_connectors import HIDDEN, Background, free_port
 
 from vllm.afd.config import AFDConfig
 from vllm.afd.transport import doorbell
 from vllm.afd.transport.connectors import AFDConnectionError, create_connector
 from vllm.afd.transport.wire import StepHeader
-
-
-def shm(role: str, port: int, *, num_ubatches: int = 1, spin_us=None, timeout_s: float = 10):
-    extra = {} if spin_us is None else {"spin_us": spin_us}
-    cfg = AFDConfig(role=role, connector="shm", port=port, timeout_s=timeout_s,
-                    num_ubatches=num_ubatches, connector_extra_config=extra)
-    return create_connector(cfg, hidden_size=HIDDEN, dtype=torch.float32, max_tokens=16)
-
-
-def pair(*, ffn_ubatches: int = 1, attention_ubatches: int = 1, spin_us=None,
-         timeout_s: float = 10):
-    port = free_port()
-    ffn = shm("ffn", port, num_ubatches=ffn_ubatches, spin_us=spin_us, timeout_s=timeout_s)
-    attn = shm("attention", port, num_ubatches=attention_ubatches, spin_us=spin_us,
-               timeout_s=timeout_s)
-    accepting = Background(ffn.accept)
-    attn.connect()
-    accepting.join_result()
-    return ffn, attn
-
-
-def echo(ffn, layers: int) -> int:
-    """Serve steps (output = 2 * hidden + layer) until the attention side leaves."""
-    steps = 0
-    while True:
-        step = ffn.recv_step(0)
-        if step.is_goodbye or step.is_shutdown:
-            return steps
-        for layer in range(layers):
-            for u in range(len(step.num_tokens)):
-                ffn.send_output(0, layer, u, ffn.recv_hidden(0, layer, u) * 2 + layer)
-        steps += 1
-
-
-def run_steps(attn, steps: list[list[int]], layers: int,
-              step_seconds: list[float] | None = None) -> None:
-    g = torch.Generator().manual_seed(0)
-    for i, tokens in enumerate(steps):
-        t0 = time.monotonic()
-        attn.send_step(StepHeader(step_id=i + 1, num_tokens=tokens))
-        for layer in range(layers):
-            hidden = [torch.randn(n, HIDDEN, generator=g) for n in tokens]
-            for u, h in enumerate(hidden):
-                attn.send_hidden(layer, u, h)
-            for u, h in enumerate(hidden):
-                assert torch.equal(attn.recv_output(layer, u), h * 2 + layer)
-        if step_seconds is not None:
-            step_seconds.append(time.monotonic() - t0)
+from helpers.connectors import HIDDEN, Background, free_port
+from helpers.pairs import echo, pair, run_steps, wait_cpu_times
 
 
 def test_the_ring_sits_where_both_sides_look_whatever_their_micro_batches():
@@ -153,28 +105,6 @@ def test_a_peer_gone_mid_wait_is_noticed_after_the_spin():
     assert time.monotonic() - t0 < 3
     attn.close()
     ffn.close()
-
-
-def wait_cpu_times(ffn, attn) -> tuple[float, float]:
-    """Process CPU seconds over an idle wait (1 s for the next step, no
-    deadline) and over a wait for an answer that comes 0.5 s late."""
-    idle = Background(ffn.recv_step, 0)
-    time.sleep(0.05)
-    cpu0 = time.process_time()
-    time.sleep(1.0)
-    idle_cpu = time.process_time() - cpu0
-    attn.send_step(StepHeader(step_id=1, num_tokens=[1]))
-    assert idle.join_result().step_id == 1
-
-    attn.send_hidden(0, 0, torch.ones(1, HIDDEN))
-    ffn.recv_hidden(0, 0, 0)
-    cpu0 = time.process_time()
-    answer = threading.Timer(0.5, lambda: ffn.send_output(0, 0, 0, torch.ones(1, HIDDEN)))
-    answer.start()
-    assert torch.equal(attn.recv_output(0, 0), torch.ones(1, HIDDEN))
-    waited_cpu = time.process_time() - cpu0
-    answer.join()
-    return idle_cpu, waited_cpu
 
 
 def test_cpu_use_while_waiting_is_bounded():

@@ -9,11 +9,11 @@ GEMM for small linears (every linear of a tiny checkpoint), the AMX attention
 ISA, AMX_MLA for DeepSeek and the AMX grouped-GEMM experts where their shapes
 allow; AMD and AVX2 hosts keep oneDNN and the vector kernels. So this module is
 the family matrix that proves AFD on each CPU kind's own kernels: every
-supported architecture's checkpoint (test_families.MATRIX and ELSEWHERE)
+supported architecture's checkpoint (helpers.families.MATRIX and ELSEWHERE)
 through plain vLLM and AFD (loopback, one process for all), token-exact with
 logprobs within 1e-5; the two AFD roles' kernels (vllm/afd/model/kernels.py)
 together those plain vLLM ran (as in float32); and the AMX kernels really ran on an AMX host,
-and none elsewhere. The hybrid families (test_families.HYBRID: Gated DeltaNet
+and none elsewhere. The hybrid families (helpers.families.HYBRID: Gated DeltaNet
 layers, whose CPU kernel takes bf16 only) are here alone, in a process of their
 own, with routers on either role. Qwen2-MoE and Qwen3-Next are also served with
 2 micro-batches, and on hosts with AVX512-BF16 but no AMX five families run
@@ -29,11 +29,10 @@ import torch
 from selection import selected
 from servers import free_port
 from stock import STOCK_DIFFERS
-from test_families import (ELSEWHERE, HYBRID, MATRIX, check_family, check_routed,
-                           check_stock_difference, reference, run_against_stock, run_matrix)
-from test_oracle import assert_micro_batched, assert_same, ffn_server, ffn_stats, run_oracle
 
 from vllm.afd.model.families import SUPPORTED
+from helpers.families import ELSEWHERE, HYBRID, MATRIX, check_family, check_routed, check_stock_difference, reference, run_against_stock, run_matrix
+from helpers.oracle import assert_micro_batched, assert_same, ffn_server, ffn_stats, run_oracle
 
 pytestmark = pytest.mark.slow
 

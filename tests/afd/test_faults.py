@@ -39,6 +39,7 @@ import pytest
 
 from oracle import engine_cli_args
 from servers import Server, cpu, free_port
+from helpers.oracle import plain_result
 
 pytestmark = pytest.mark.slow
 COMMON = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
@@ -156,7 +157,6 @@ class Story:
 
 @pytest.fixture(scope="module")
 def story(models_dir, tmp_path_factory):
-    from test_oracle import plain_result
 
     logs = tmp_path_factory.mktemp("faults")
     model = models_dir / "tiny-qwen3-moe"

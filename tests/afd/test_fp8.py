@@ -27,6 +27,8 @@ from hf_reference import FP8_GROUP, fp8_encode, fp8_round_trip, teacher_forced
 from servers import free_port
 from vllm.afd.kernels import ops
 from vllm.afd.transport.wire import StepHeader
+from helpers.connectors import Background, connect_pair
+from helpers.oracle import run_oracle
 
 GROUP = FP8_GROUP  # the stated format's, not read from the code under test
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -98,7 +100,6 @@ def test_each_side_receives_the_reference_round_trip(kind, dtype):
     included): the FFN receives the reference's round trip of each hidden
     state sent, the attention side that of each output, on the edge inputs
     (hidden 200: a full and a partial scale group)."""
-    from test_connectors import Background, connect_pair
 
     hidden = 200
     inputs = [torch.nn.functional.pad(x, (0, max(0, hidden - x.shape[1])))[:, :hidden]
@@ -161,7 +162,6 @@ def test_served_fp8_is_the_reference_codec_on_the_model(models_dir, tmp_path, mo
     tokens, chooses AFD's tokens and gives AFD's logprobs (median difference
     under MEDIAN_TOL). Without the hooks, or with the codec's divisor 440, the
     same comparison is far off: fp8 is really applied, and only as stated."""
-    from test_oracle import run_oracle
     from transformers import AutoModelForCausalLM
 
     model = models_dir / model_name

@@ -15,8 +15,6 @@ import time
 import msgspec
 import pytest
 import torch
-from test_connectors import (HIDDEN, MAX_TOKENS, Background, dial, free_port, make,
-                             raw_frame, read_message, serve_one_layer)
 
 from vllm.afd.transport import doorbell, wire
 from vllm.afd.transport.connectors import AFDConnectionError, ProtocolError
@@ -25,6 +23,7 @@ from vllm.afd.transport.connectors.socket_link import (MAGIC, MAX_HEADER_BYTES, 
                                                        SocketLink)
 from vllm.afd.transport.errors import LinkClosed
 from vllm.afd.transport.wire import LayerFrame, StepHeader
+from helpers.connectors import HIDDEN, MAX_TOKENS, Background, dial, free_port, make, raw_frame, read_message, serve_one_layer
 
 TOKENS = 4
 NBYTES = TOKENS * HIDDEN * 4  # float32

@@ -16,27 +16,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm.afd.attention.link import StepPlan
 
 import preload
+from helpers.torch_ops import ALLOCATING, AtenOps
 
 HIDDEN = 32  # shm_link's hidden size (tests/afd/conftest.py)
-ALLOCATING = {"empty", "empty_like", "new_empty", "clone", "zeros", "zeros_like", "ones",
-              "full", "_to_copy", "empty_strided", "new_zeros", "cat"}
-
-
-class AtenOps(TorchDispatchMode):
-    """Records the aten ops run inside the block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
 
 
 def test_remote_ffn_op_mutates_its_output_and_allocates_nothing(shm_link):

@@ -21,8 +21,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import preload
-from test_connectors import (FAKE_NCCL, HIDDEN, MAX_TOKENS, Background, dial, free_port,
-                             raw_frame, read_message, serve_one_layer)
 from transformers import AutoConfig
 
 from vllm.afd.transport import auth, doorbell, wire
@@ -32,6 +30,7 @@ from vllm.afd.transport.connectors import (AFDConnectionError, ProtocolError, cr
 from vllm.afd.transport.connectors.shm import ShmHandshake
 from vllm.afd.transport.handshake import REFUSALS_KEPT
 from vllm.afd.transport.wire import AuthChallenge, AuthProof, Hello, HelloAck
+from helpers.connectors import FAKE_NCCL, HIDDEN, MAX_TOKENS, Background, dial, free_port, raw_frame, read_message, serve_one_layer
 
 FIX = "set VLLM_AFD_TOKEN (or AFDConfig.token_file) to the same value on both roles"
 

@@ -31,10 +31,10 @@ import yaml
 import preload
 from servers import cpu, free_port, http_get, status_dirs_left
 from oracle import engine_cli_args
-from test_oracle import plain_result
 
 from vllm.afd.launch import spec as spec_file
 from vllm.afd.launch.plan import Node, describe, make_plan
+from helpers.oracle import plain_result
 
 MODEL = "tiny-qwen3-moe"
 # MLA attention is not batch-invariant, and a served engine may start its first

@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-from test_connectors import HIDDEN, free_port
 
 from vllm.afd.attention import link as link_module
 from vllm.afd.attention import status as link_status
@@ -19,6 +18,7 @@ from vllm.afd.attention.link import AttentionLink, StepPlan
 from vllm.afd.ffn.loop import FFNLoop
 from vllm.afd.topology import FFNPlacement
 from vllm.afd.transport.config import LinkConfig
+from helpers.connectors import HIDDEN, free_port
 
 
 @pytest.fixture

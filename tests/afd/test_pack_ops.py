@@ -12,28 +12,10 @@ import torch
 from vllm.afd.kernels import ops
 from vllm.afd.kernels.ops import PackLayout
 from vllm.afd.transport.wire import Routing, routed_parts
+from helpers.fp8 import reference_dequantize, reference_quantize
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GROUP = 128
-
-
-def reference_quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 bytes [T, H] as uint8, fp32 scales [T, G]) in plain torch."""
-    tokens, hidden = x.shape
-    groups = -(-hidden // group)
-    xf = torch.nn.functional.pad(x.float(), (0, groups * group - hidden)).view(
-        tokens, groups, group)
-    amax = xf.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / ops.FP8_E4M3_MAX, torch.ones_like(amax))
-    q = (xf / scale[..., None]).to(torch.float8_e4m3fn).view(tokens, groups * group)
-    return q[:, :hidden].contiguous().view(torch.uint8), scale
-
-
-def reference_dequantize(q: torch.Tensor, scale: torch.Tensor, group: int,
-                         dtype: torch.dtype) -> torch.Tensor:
-    hidden = q.shape[1]
-    full = scale.repeat_interleave(group, dim=1)[:, :hidden]
-    return (q.view(torch.float8_e4m3fn).float() * full).to(dtype)
 
 
 def routing(tokens: int, topk: int, id_dtype: torch.dtype, seed: int = 0):

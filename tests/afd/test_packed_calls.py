@@ -15,8 +15,6 @@ import time
 
 import pytest
 import torch
-from test_connectors import Background, free_port, routing_for
-from test_pack_ops import reference_dequantize, reference_quantize
 
 from vllm.afd.config import AFDConfig
 from vllm.afd.kernels import ops
@@ -24,6 +22,9 @@ from vllm.afd.transport import wire
 from vllm.afd.transport.connectors import create_connector
 from vllm.afd.transport.connectors.prepared import frame_template
 from vllm.afd.transport.wire import StepHeader
+from helpers.connectors import Background, free_port, routing_for
+from helpers.devices import DeferredOps
+from helpers.fp8 import reference_dequantize, reference_quantize
 
 HIDDEN = 200  # two scale groups, the second partial
 DTYPE = torch.bfloat16
@@ -31,7 +32,7 @@ GROUP = wire.FP8_SCALE_GROUP
 TRANSFERS = {"fp8": "fp8", "fp8-to-ffn": {"to_ffn": "fp8"},
              "fp8-to-attention": {"to_attention": "fp8"}}
 STEPS, LAYERS = [3, 1, 16, 5], 3
-TOPK = 3  # test_connectors.routing_for's
+TOPK = 3  # helpers.connectors.routing_for's
 ROUTED = {0, 2}  # gate_on "attention": the MoE layers' calls carry routing, layer 1's not
 
 # Every test here counts prepared calls: none may fall back for a busy host.
@@ -44,7 +45,7 @@ def packed_pair(connector: str, transfer, hidden: int = HIDDEN, topk: int = 0,
     (and routing of topk experts, when topk > 0). staged: both sides take
     the prepared calls as CUDA connectors do (fp8 and routing packed by the
     op library, the payload staged through the slots) on a fake asynchronous
-    device (test_device_rules.DeferredOps): no GPU here."""
+    device (helpers.devices.DeferredOps): no GPU here."""
     port = free_port()
 
     def make(role):
@@ -53,9 +54,8 @@ def packed_pair(connector: str, transfer, hidden: int = HIDDEN, topk: int = 0,
         side = create_connector(cfg, hidden_size=hidden, dtype=DTYPE, max_tokens=16,
                                 routing_topk=topk)
         if staged:  # before the handshake: the slots take their ops then
-            from test_device_rules import DeferredOps
 
-            side.ops, side._on_host, side._socket_on_host = DeferredOps(), False, False
+            side.ops, side._on_host = DeferredOps(), False
         return side
 
     ffn, attn = make("ffn"), make("attention")
@@ -66,7 +66,7 @@ def packed_pair(connector: str, transfer, hidden: int = HIDDEN, topk: int = 0,
 
 
 def prepared_count(connector) -> int:
-    return connector.fast_calls if hasattr(connector, "fast_calls") else connector.socket_calls
+    return connector.fast_calls
 
 
 def through_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -218,12 +218,11 @@ def test_packed_frames_of_device_tensors_where_the_op_library_packs():
     (_packs False) they keep the general path (exact frames without routing
     keep their staged prepared calls). Checked on the CPU through the
     predicate the prepared calls ask."""
-    from vllm.afd.transport.connectors.shm_fast import FastFrames
-    from vllm.afd.transport.connectors.tcp_fast import SocketCalls
+    from vllm.afd.transport.connectors.step_calls import StepCalls
 
     class Fake:
         device = torch.device("cuda", 0)
-        _on_host = _socket_on_host = False
+        _on_host = False
 
     for send, receive, topk, exact in ((GROUP, 0, 0, False), (0, GROUP, 0, False),
                                        (0, 0, TOPK, False), (0, 0, 0, True)):
@@ -231,10 +230,9 @@ def test_packed_frames_of_device_tensors_where_the_op_library_packs():
             fake = Fake()
             fake.send_scale_group, fake.receive_scale_group = send, receive
             fake.routing_topk, fake._packs = topk, packs
-            assert FastFrames._prepared_enabled(fake) is (exact or packs)
-            assert SocketCalls._socket_calls_usable(fake) is (exact or packs)
-            fake.device, fake._on_host, fake._socket_on_host = torch.device("cpu"), True, True
-            assert FastFrames._prepared_enabled(fake) and SocketCalls._socket_calls_usable(fake)
+            assert StepCalls._prepared_enabled(fake) is (exact or packs)
+            fake.device, fake._on_host = torch.device("cpu"), True
+            assert StepCalls._prepared_enabled(fake)
 
 
 @pytest.mark.parametrize("case", ["fp8", "fp8-to-attention", "routed", "routed-fp8-to-ffn"])

@@ -27,6 +27,7 @@ from servers import free_port  # noqa: E402
 from vllm.afd.attention.pool import Pool  # noqa: E402
 from vllm.afd.transport.config import LinkConfig  # noqa: E402
 from vllm.afd.transport.errors import AFDLinkDown  # noqa: E402
+from helpers.oracle import COMMON, run_oracle
 
 FAILOVER_BOUND_S = 1.0  # the bound; the step timeout (timeout_s) is 30 s
 
@@ -233,10 +234,6 @@ def test_pool_configuration_errors():
     assert AFDConfig(ffn_pool=["[::1]:7700", "10.0.0.2:7800"]).link_config().has_pool()
 
 
-# ------------------------------------------------------------ real servers
-COMMON = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
-          "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
-          "--no-enable-prefix-caching"]
 LONG_TOKENS = 96  # the streamed completion that outlives a kill
 # The stream of the attention server killed in act 3: long enough that it still flows
 # when the survivor's stream, started after it, has begun.
@@ -266,7 +263,6 @@ def test_pool_of_ffn_servers_under_kills(models_dir, tmp_path):
     import openai
     from oracle import engine_cli_args
     from servers import Server, cpu, metric_samples
-    from test_oracle import run_oracle
 
     model = models_dir / "tiny-qwen3-moe"
     pool_file = tmp_path / "ffn-pool.txt"

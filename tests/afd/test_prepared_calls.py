@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""A step's layer calls prepared once (shm_fast.py, csrc/cpu/lane_calls.cpp;
-tcp_fast.py, csrc/cpu/sock_calls.cpp, more in test_tcp_calls.py):
+"""A step's layer calls prepared once (step_calls.py, csrc/cpu/step_calls.cpp;
+shm_frames.py, tcp_frames.py, more in test_tcp_calls.py):
 the attention link's steps of one micro-batch and the FFN loop's replies take
 them, they count what the general path counts, and every surprise goes the
 general way and raises what it always did. Real connectors, a real FFN loop
@@ -14,73 +14,21 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from test_connectors import HIDDEN, Background, free_port
-from test_doorbell import pair
 
 from vllm.afd.attention.link import AttentionLink, StepPlan
-from vllm.afd.config import AFDConfig
 from vllm.afd.ffn.loop import FFNLoop
 from vllm.afd.observability.metrics import LinkCollector
 from vllm.afd.topology import FFNPlacement
 from vllm.afd.transport import doorbell
 from vllm.afd.transport.config import LinkConfig
-from vllm.afd.transport.connectors import AFDConnectionError, create_connector
+from vllm.afd.transport.connectors import AFDConnectionError
 from vllm.afd.transport.wire import StepHeader
-
-
-def tcp_pair(*, spin_us: int = 20_000, timeout_s: float = 10):
-    """An FFN and attention tcp connector linked over loopback (tcp_fast.py's
-    prepared calls), as test_doorbell.pair links shm ones."""
-    port = free_port()
-
-    def make(role):
-        cfg = AFDConfig(role=role, connector="tcp", port=port, timeout_s=timeout_s,
-                        connector_extra_config={"spin_us": spin_us})
-        return create_connector(cfg, hidden_size=HIDDEN, dtype=torch.float32, max_tokens=16)
-
-    ffn, attn = make("ffn"), make("attention")
-    accepting = Background(ffn.accept)
-    attn.connect()
-    accepting.join_result()
-    return ffn, attn
+from helpers.connectors import HIDDEN, Background, free_port
+from helpers.pairs import loop_and_link, pair, prepared_steps, reply_echo, tcp_pair
+from helpers.torch_ops import ALLOCATING, AtenOps
 
 
 PAIRS = {"shm": pair, "tcp": tcp_pair}  # (ffn, attn) with prepared calls
-
-
-
-def reply_echo(ffn, layers: int, posted: list | None = None) -> int:
-    """Serve one-micro-batch steps through reply_and_recv (output = 2h + layer);
-    posted: gets each step's count of prepared sends."""
-    steps = 0
-    while True:
-        step = ffn.recv_step(0)
-        if step.is_goodbye or step.is_shutdown:
-            return steps
-        h = ffn.recv_hidden(0, 0, 0)
-        for layer in range(layers):
-            out = h * 2 + layer
-            if layer + 1 < layers:
-                h = ffn.reply_and_recv(0, layer, 0, out, layer + 1, 0)
-            else:
-                ffn.send_output(0, layer, 0, out)
-        if posted is not None:
-            prepared, C, _ = ffn._prepared[0]
-            posted.append(C.lane_call_times(prepared)[2])
-        steps += 1
-
-
-def prepared_steps(attn, steps: list[int], layers: int) -> None:
-    g = torch.Generator().manual_seed(1)
-    for i, rows in enumerate(steps):
-        attn.send_step(StepHeader(step_id=i + 1, num_tokens=[rows]))
-        assert attn.exchange_prepared()
-        for layer in range(layers):
-            h = torch.randn(rows, HIDDEN, generator=g)
-            out = torch.empty_like(h)
-            assert attn.prepared_send(layer, 0, h, out)
-            assert attn.prepared_recv(layer, 0, out)
-            assert torch.equal(out, h * 2 + layer)
 
 
 def general_steps(attn, steps: list[int], layers: int) -> None:
@@ -91,27 +39,6 @@ def general_steps(attn, steps: list[int], layers: int) -> None:
             h = torch.randn(rows, HIDDEN, generator=g)
             attn.send_hidden(layer, 0, h)
             assert torch.equal(attn.recv_output(layer, 0), h * 2 + layer)
-
-
-def loop_and_link(connector: str, layers: list[int]):
-    """A real FFN loop (its mlp h @ weight + layer, started) and an attention
-    link (not yet started) over connector, up to two micro-batches; and weight."""
-    weight = torch.randn(HIDDEN, HIDDEN) / HIDDEN
-
-    def mlp(layer, h, routing):
-        return (h @ weight) + layer
-
-    config = dict(connector=connector, port=free_port(), timeout_s=10, num_ubatches=2,
-                  connector_extra_config={"spin_us": 20_000})
-    loop = FFNLoop(LinkConfig(role="ffn", **config), layers=layers, compute=mlp,
-                   hidden_size=HIDDEN, dtype=torch.float32, max_tokens=32,
-                   placement=FFNPlacement(rank=0, group=[0]), warmup_sizes=[])
-    loop.start()
-    link = AttentionLink(LinkConfig(**config), hidden_size=HIDDEN, dtype=torch.float32,
-                         max_tokens=32)
-    for layer in layers:
-        link.add_layer(layer)
-    return loop, link, weight
 
 
 def test_prepared_calls_carry_every_layer_call_and_count_like_the_general_path(
@@ -127,7 +54,7 @@ def test_prepared_calls_carry_every_layer_call_and_count_like_the_general_path(
         prepared_steps(attn, steps, layers)
         calls = len(steps) * layers
         assert attn.fast_calls == 2 * calls
-        c_calls, send_ns, wait_ns = (attn._prepared[0][1].lane_call_times(
+        c_calls, send_ns, wait_ns = (attn._prepared[0][1].step_calls_times(
             attn._prepared[0][0])[i] for i in (2, 0, 1))
         assert c_calls == layers and send_ns > 0 and wait_ns > 0  # the last step's
         assert attn.take_exchange_send_s() == pytest.approx(send_ns * 1e-9)
@@ -294,7 +221,7 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps(pat
         [session] = list(loop._sessions.values())
         assert session.fast_calls == 2 * 3 * len(layers)
         calls, C, _ = session._prepared[0]  # the last step's: a reply for every call,
-        assert C.lane_call_times(calls)[2] == len(layers)  # the step's last one included
+        assert C.step_calls_times(calls)[2] == len(layers)  # the step's last one included
         stats = link.stats
         assert stats.layer_calls == 3 * len(layers) and stats.steps == 3
         assert 0 < stats.send_s < stats.wait_s
@@ -357,7 +284,7 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps(pat
                                                atol=0)
             link.end_step()
             calls, C, _ = lead._prepared[0]
-            assert C.lane_call_times(calls)[2] == 2 * len(layers)  # every call prepared
+            assert C.step_calls_times(calls)[2] == 2 * len(layers)  # every call prepared
         assert lead.fast_calls - fast_before[0] == 2 * 2 * 2 * len(layers)
         while loop.stats().steps < 6 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -376,8 +303,6 @@ def test_an_output_the_caller_does_not_give_is_made_after_the_send(path):
     micro-batch and of several, and the general send. On a CPU host's cold
     cache an allocation costs ~15 us: made after the send, the FFN computes
     meanwhile; made before, both sides wait for it."""
-    from test_connectors import free_port
-    from test_graph_rules import ALLOCATING, AtenOps
 
     port = free_port()
     config = dict(connector="shm", port=port, timeout_s=10, num_ubatches=2)
@@ -431,7 +356,6 @@ def test_tensors_the_transport_cannot_take_fail_no_link(connector):
     copied in; one of another shape or dtype raises ValueError once the output
     is taken; hidden states the step does not send raise ValueError with
     nothing sent. None is a link failure: no failover, the step goes on."""
-    from test_connectors import free_port
 
     port = free_port()
     layers = [0, 1, 2]

@@ -43,13 +43,12 @@ import torch
 from selection import selected
 from servers import cpu, free_port
 from stock import STOCK_DIFFERS, stock_site
-from test_families import check_routed
-from test_oracle import (
-    ORACLE, assert_micro_batched, assert_routing, assert_same, ffn_server, ffn_stats, run_oracle)
 
 import vllm.afd.seams as afd_seams
 from vllm.afd.attention import runner
 from vllm.afd.attention.ubatch_rule import UbatchRule
+from helpers.families import check_routed
+from helpers.oracle import COMMON, ORACLE, assert_micro_batched, assert_routing, assert_same, ffn_server, ffn_stats, run_oracle
 
 pytestmark = pytest.mark.slow
 
@@ -210,7 +209,6 @@ def test_pool_failover_on_v2_changes_no_token(models_dir, tmp_path, kernel_paths
 
     from oracle import engine_cli_args
     from servers import Server
-    from test_pool import COMMON
 
     model = models_dir / "tiny-qwen3-moe"
     tokens = 32

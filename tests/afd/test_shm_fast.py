@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""The shm connector's fast path for layer calls (shm_fast.py, csrc/cpu/lane.cpp):
+"""The shm connector's fast path for layer calls (shm_frames.py, csrc/cpu/lane.cpp):
 it is taken where it may be, agrees with the general path to the byte, and
 hands every surprise to the general path, which raises what it always did.
 Real connectors, two threads of one process; the latency itself is measured
@@ -11,14 +11,14 @@ import time
 
 import pytest
 import torch
-from test_connectors import HIDDEN, Background, free_port
-from test_doorbell import echo, pair
 
 from vllm.afd.config import AFDConfig
 from vllm.afd.transport import doorbell, wire
 from vllm.afd.transport.connectors import AFDConnectionError, create_connector
 from vllm.afd.transport.connectors.prepared import frame_template
 from vllm.afd.transport.wire import ProtocolError, StepHeader
+from helpers.connectors import HIDDEN, Background, free_port
+from helpers.pairs import echo, pair
 
 
 @pytest.mark.parametrize("scale_group", [0, wire.FP8_SCALE_GROUP], ids=["exact", "fp8"])

@@ -10,14 +10,14 @@ import socket
 
 import pytest
 import torch
-from test_connectors import Background, free_port
-from test_doorbell import echo
 
 from vllm.afd.config import AFDConfig
 from vllm.afd.transport import doorbell
 from vllm.afd.transport.connectors import create_connector
 from vllm.afd.transport.connectors.prepared import frame_template
 from vllm.afd.transport.wire import StepHeader
+from helpers.connectors import Background, free_port
+from helpers.pairs import echo
 
 HIDDEN = 1000  # float32: 4000 bytes a token, so payloads are no multiple of 64 bytes
 MIN_ADAPTIVE = 4096  # slot_copy.h kMinAdaptiveBytes

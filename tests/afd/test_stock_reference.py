@@ -16,7 +16,7 @@ import pytest
 from hf_reference import check_patched_is_right
 from servers import cpu
 from stock import STOCK_DIFFERS, run_plain, stock_site
-from test_oracle import ORACLE, assert_same, loopback_result, plain_result
+from helpers.oracle import ORACLE, assert_same, loopback_result, plain_result
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""The tcp connector's prepared layer calls (tcp_fast.py, csrc/cpu/sock_calls.cpp):
+"""The tcp connector's prepared layer calls (step_calls.py, tcp_frames.py, csrc/cpu/step_calls.cpp):
 a step's layer calls take them on both ends, outputs are exact, and every
 surprise (an error frame, a goodbye, a late answer, a frame the general path
 wrote) is read by the general receive and raises what it always did (the
@@ -15,14 +15,15 @@ import time
 
 import pytest
 import torch
-from test_connectors import HIDDEN, Background
-from test_prepared_calls import loop_and_link, prepared_steps, reply_echo, tcp_pair
 
 from vllm.afd.attention.link import StepPlan
 from vllm.afd.transport.connectors.base import AFDConnectionError
-from vllm.afd.transport.connectors.tcp import SocketConnector, SocketLink
-from vllm.afd.transport.connectors.tcp_fast import SocketCalls, socket_frame_template
+from vllm.afd.transport.connectors.tcp import SocketLink
+from vllm.afd.transport.connectors.shm_frames import ShmFrames
+from vllm.afd.transport.connectors.tcp_frames import TcpFrames, socket_frame_template
 from vllm.afd.transport.wire import StepHeader
+from helpers.connectors import HIDDEN, Background
+from helpers.pairs import loop_and_link, pair, prepared_steps, reply_echo, staged_tcp_pair, tcp_pair
 
 
 # Every test here counts prepared calls: none may fall back for a busy host.
@@ -39,9 +40,9 @@ def test_layer_calls_go_through_prepared_calls_on_both_ends():
     try:
         prepared_steps(attn, steps, layers)
         calls = len(steps) * layers
-        assert attn.socket_calls == 2 * calls
-        capsule, C, _ = attn._socket_prepared[0]
-        send_ns, wait_ns, sent = C.sock_call_times(capsule)
+        assert attn.fast_calls == 2 * calls
+        capsule, C, _ = attn._prepared[0]
+        send_ns, wait_ns, sent = C.step_calls_times(capsule)
         assert sent == layers and send_ns > 0 and wait_ns > 0  # the last step's
         assert attn.take_exchange_send_s() == pytest.approx(send_ns * 1e-9)
         assert attn.take_exchange_send_s() == 0.0  # taken
@@ -50,7 +51,7 @@ def test_layer_calls_go_through_prepared_calls_on_both_ends():
         assert server.join_result() == len(steps)
     # The FFN's first receive of a step (recv_hidden) and last send
     # (send_output) are prepared calls too.
-    assert ffn.socket_calls == 2 * calls
+    assert ffn.fast_calls == 2 * calls
     payload = sum(steps) * layers * HIDDEN * 4
     header = sum(len(socket_frame_template(torch.float32, rows, HIDDEN, 0,
                                            SocketLink.prefix)[0]) for rows in steps) * layers
@@ -76,12 +77,12 @@ def test_the_general_paths_frames_are_read_by_the_general_receive():
             h = torch.randn(5, HIDDEN)
             attn.send_hidden(layer, 0, h)
             assert torch.equal(attn.recv_output(layer, 0), h * 2 + layer)
-        assert attn.socket_calls == 0
+        assert attn.fast_calls == 0
     finally:
         attn.close()
         assert server.join_result() == 1
     # Three hidden states received generally; three outputs sent prepared.
-    assert ffn.socket_calls == 3
+    assert ffn.fast_calls == 3
     ffn.close()
 
 
@@ -141,7 +142,6 @@ def test_a_peer_gone_mid_payload_fails_the_connector_at_once():
 def test_shm_keeps_its_payloads_off_the_socket():
     """The shm connector (a SocketConnector for its header socket, like tcp)
     has no socket calls: its layer calls go through the lane."""
-    from test_doorbell import pair
 
     ffn, attn = pair(spin_us=20_000)
     server = Background(reply_echo, ffn, 2, None)
@@ -153,11 +153,11 @@ def test_shm_keeps_its_payloads_off_the_socket():
         server.join_result()
     assert ffn.fast_calls == 4
     for side in (attn, ffn):
-        assert isinstance(side, SocketConnector) and not isinstance(side, SocketCalls)
+        assert isinstance(side, ShmFrames) and not isinstance(side, TcpFrames)
     ffn.close()
 
 
-def test_the_link_and_the_loop_take_socket_calls():
+def test_the_link_and_the_loop_take_prepared_calls():
     """A real FFN loop and attention link over tcp: steps of one micro-batch
     and ping-pong steps of two go through prepared calls on both sides and
     give the FFN's results."""
@@ -191,30 +191,15 @@ def test_the_link_and_the_loop_take_socket_calls():
         while loop.stats().steps < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
         lead = link.pool.members[0].lead
-        assert lead.socket_calls == 2 * (3 + 2) * len(layers)
+        assert lead.fast_calls == 2 * (3 + 2) * len(layers)
         [session] = list(loop._sessions.values())
-        assert session.socket_calls == 2 * (3 + 2) * len(layers)
+        assert session.fast_calls == 2 * (3 + 2) * len(layers)
         stats = link.stats
         assert stats.layer_calls == 5 * len(layers) and 0 < stats.send_s < stats.wait_s
         assert loop.stats().layer_calls == 5 * len(layers)
     finally:
         link.close()
         loop.stop()
-
-
-def staged_tcp_pair(attention_ops=None):
-    """A tcp pair that takes the prepared calls as CUDA connectors do (staged
-    through their pinned host slots) on a fake asynchronous device
-    (test_device_rules.DeferredOps: copies land 0.2 s later): no GPU here.
-    attention_ops: the attention side's fake device (a DeferredOps)."""
-    from test_device_rules import DeferredOps
-
-    ffn, attn = tcp_pair()
-    for side in (attn, ffn):  # stage as on a GPU
-        side.ops, side._socket_on_host = DeferredOps(), False
-    if attention_ops is not None:  # the staging slots are made at first use
-        attn.ops = attention_ops
-    return ffn, attn
 
 
 @pytest.mark.parametrize("settled", [True, False])
@@ -232,7 +217,7 @@ def test_staged_calls_settle_the_slot_before_receiving_into_it_again(settled, mo
     try:
         attn.send_step(StepHeader(step_id=1, num_tokens=[4]))
         ffn.recv_step(0)
-        assert attn.exchange_prepared() and ffn._socket_prepared.get(0) is not None
+        assert attn.exchange_prepared() and ffn._prepared.get(0) is not None
         first, second = torch.full((4, HIDDEN), 1.0), torch.full((4, HIDDEN), 2.0)
         out1, out2 = torch.zeros(4, HIDDEN), torch.zeros(4, HIDDEN)
         for layer, h, out in ((0, first, out1), (1, second, out2)):
@@ -242,7 +227,7 @@ def test_staged_calls_settle_the_slot_before_receiving_into_it_again(settled, mo
             assert ffn.reply_prepared(0, layer, 0, got.clone())
             assert attn.prepared_recv(layer, 0, out)  # its copy is still in flight
         attn.ops.pool.shutdown(wait=True)
-        assert attn.socket_calls == 4 and ffn.socket_calls == 4  # no general path taken
+        assert attn.fast_calls == 4 and ffn.fast_calls == 4  # no general path taken
         if settled:
             assert torch.equal(out1, first) and torch.equal(out2, second)
         else:

@@ -13,13 +13,13 @@ import time
 
 import pytest
 import torch
-from test_connectors import HIDDEN, Background, free_port
-from test_doorbell import echo, run_steps, wait_cpu_times
 
 from vllm.afd.config import AFDConfig
 from vllm.afd.transport.connectors import AFDConnectionError, create_connector
 from vllm.afd.transport.connectors.tcp import MAGIC, PREFIX, SocketLink
 from vllm.afd.transport.wire import StepHeader
+from helpers.connectors import HIDDEN, Background, free_port
+from helpers.pairs import echo, run_steps, wait_cpu_times
 
 
 def tcp(role: str, port: int, *, num_ubatches: int = 1, spin_us=None):

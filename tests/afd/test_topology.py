@@ -34,12 +34,13 @@ import torch
 import preload
 from servers import Server, cpu, free_port
 from oracle import PROMPTS
-from test_oracle import ORACLE, assert_same, ffn_server, plain_result
 
 from vllm.afd.ffn.batcher import LayerBatcher
 from vllm.afd.config import AFDConfig
 from vllm.afd.topology import AFDLayoutError, ffn_placement
 from vllm.afd.transport.wire import Routing
+from helpers.fp8 import reference_dequantize, reference_quantize
+from helpers.oracle import ORACLE, assert_same, ffn_server, plain_result
 
 MODEL = "tiny-qwen3-moe"
 
@@ -340,7 +341,6 @@ def test_ffn_loop_unpacks_two_peers_fp8_rows_into_one_mlp_call():
     gathers both peers' fp8 payloads by unpacking them straight into the rows
     of one joined MoE input, computes once, and each peer gets its rows back,
     equal to plain torch's quantization of its own tokens."""
-    from test_pack_ops import reference_dequantize, reference_quantize
 
     from vllm.afd.ffn.loop import FFNLoop
     from vllm.afd.topology import FFNPlacement

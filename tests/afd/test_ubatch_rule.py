@@ -20,8 +20,8 @@ from vllm.afd.attention.ubatch_rule import (PROBES, REPROBE_EVERY, WARMUP_STEPS,
 from vllm.afd.ffn.loop import FFNLoop
 from vllm.afd.topology import FFNPlacement
 from vllm.afd.transport.config import LinkConfig
+from helpers.connectors import free_port
 
-from test_connectors import free_port
 
 HIDDEN = 16
 

@@ -296,8 +296,7 @@ def _harness(args, connector: str, gate_on_attention: bool = False,
         # (the general path's then); fp8 and routed frames too (on CUDA packed
         # on the device by the op library, then staged).
         lead = attn.link.pool.members[0].lead
-        prepared = getattr(lead, {"shm": "fast_calls", "tcp": "socket_calls"}.get(connector, ""),
-                           None)
+        prepared = getattr(lead, "fast_calls", None)  # shm and tcp (step_calls.py)
         if prepared is not None:
             assert stats.layer_calls <= prepared <= 2 * stats.layer_calls, (
                 prepared, stats.layer_calls)

@@ -129,7 +129,7 @@ class AttentionLink:
         self._done: list[int] = []  # per ubatch: layer calls finished this step
         self._step_start = 0.0
         self._step_calls_left = 0
-        # The lead connector whose prepared calls (connectors/shm_fast.py) carry
+        # The lead connector whose prepared calls (connectors/step_calls.py) carry
         # this step, armed by begin_step where they apply: a lone lead, shm.
         # _fast: a step of one micro-batch; _fast_ubatches: of more (ping-pong).
         # _fast_lead: either, until end_step reads its times.

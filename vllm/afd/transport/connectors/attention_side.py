@@ -100,7 +100,7 @@ class AttentionSide:
         return result
 
     # send_hidden + recv_output(out=out) of a step's layer calls, prepared when
-    # the step was sent, for transports that have it (shm_fast.py): cheaper
+    # the step was sent, for transports that have it (step_calls.py): cheaper
     # calls for the same protocol. Used for steps of one micro-batch.
     def exchange_prepared(self) -> bool:
         """Whether prepared_send/prepared_recv can carry the current step's calls."""

@@ -108,7 +108,7 @@ class FFNSide:
     def reply_and_recv(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor,
                        next_layer: int, next_ubatch: int) -> "torch.Tensor | Packed":
         """send_output of (layer_id, ubatch_id), then recv_hidden(defer=True) of
-        the peer's next layer call: one C call on shm (shm_fast.py)."""
+        the peer's next layer call: one C call on shm and tcp (step_calls.py)."""
         t0 = time.perf_counter()
         self.send_output(peer, layer_id, ubatch_id, out)
         self._reply_send_s[peer] = self._reply_send_s.get(peer, 0.0) + time.perf_counter() - t0
@@ -117,7 +117,7 @@ class FFNSide:
     def reply_prepared(self, peer: int, layer_id: int, ubatch_id: int,
                        out: torch.Tensor) -> bool:
         """Send the output of (layer_id, ubatch_id) through a prepared call, if
-        this connector has them for this step (shm_fast.py): True when sent,
+        this connector has them for this step (step_calls.py): True when sent,
         and then recv_prepared takes the peer's next call. False: nothing was
         sent (reply_and_recv or send_output do it)."""
         return False

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""What the prepared layer calls of shm (shm_fast.py) and tcp (tcp_fast.py)
-share: the frame templates, the C calls' payload encodings, and the record
-of one micro-batch's calls.
+"""The frames of a step's prepared layer calls (step_calls.py; shm_frames.py
+and tcp_frames.py place them on their transport): the frame templates, the C
+calls' payload encodings, and the record of one micro-batch's calls.
 
 Why comparing bytes checks a frame: a template is wire.encode of the
 LayerFrame the receiver expects (shape, dtype, nbytes, encoding, scale group,
@@ -26,6 +26,9 @@ from vllm.afd.transport.wire import LayerFrame
 # them as the small numbers patched in.
 _STEP_MARK, _LAYER_MARK, _UBATCH_MARK = 1 << 40, 1 << 20, (1 << 20) + 1
 _FIELDS = ((b"\xa7step_id\xcf", 8), (b"\xa8layer_id\xce", 4), (b"\xa9ubatch_id\xce", 4))
+# csrc/cpu/step_calls.cpp's kMaxHeader: a frame's bytes up to its payload (a
+# socket's prefix included).
+MAX_TEMPLATE_BYTES = 512
 
 
 def frame_template(dtype: torch.dtype, rows: int, hidden: int, scale_group: int = 0,
@@ -49,7 +52,7 @@ def frame_template(dtype: torch.dtype, rows: int, hidden: int, scale_group: int 
     for at, value, (_, width) in zip(offsets, (step, layer, ubatch), _FIELDS):
         patched[at:at + width] = value.to_bytes(width, "big")
     expected = _frame(dtype, rows, hidden, scale_group, topk, step, layer, ubatch)
-    if len(encoded) > 512 or wire.decode(bytes(patched)) != expected:
+    if len(encoded) > MAX_TEMPLATE_BYTES or wire.decode(bytes(patched)) != expected:
         return None
     return (encoded, *offsets, frame.nbytes)
 

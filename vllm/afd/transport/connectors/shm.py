@@ -71,7 +71,8 @@ from vllm.afd.transport import doorbell
 from vllm.afd.transport.buffers import HostSlots
 from vllm.afd.transport.connectors.base import (AFDConnectionError, LinkClosed,
                                                 spin_us_setting)
-from vllm.afd.transport.connectors.shm_fast import FastFrames
+from vllm.afd.transport.connectors.shm_frames import ShmFrames
+from vllm.afd.transport.connectors.step_calls import StepCalls
 from vllm.afd.transport.connectors.tcp import SocketConnector
 from vllm.afd.transport.wire import LayerFrame, ProtocolError
 
@@ -170,7 +171,7 @@ class ShmSegment:
         self._mmap = None
 
 
-class ShmConnector(FastFrames, SocketConnector):
+class ShmConnector(ShmFrames, StepCalls, SocketConnector):
     name = "shm"
     stages_through_host = True
     extra_config_keys = frozenset({"notify", "spin_us", "stream_copies"})
@@ -213,7 +214,9 @@ class ShmConnector(FastFrames, SocketConnector):
                              f"value {stream_copies!r}; valid choices: "
                              f"{', '.join(map(repr, doorbell.COPY_POLICIES))}")
         self.stream_copies = stream_copies
-        self._init_fast()  # layer calls in one C call per message end (shm_fast.py)
+        # Layer calls in one C call per message end (step_calls.py, shm_frames.py).
+        self._init_step_calls()
+        self._init_shm_frames()
 
     @property
     def _segment_bytes(self) -> int:

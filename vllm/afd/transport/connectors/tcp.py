@@ -24,7 +24,7 @@ sockets also report a dead peer at once (EOF/ECONNRESET), where zmq silently
 reconnects. TCP keepalive catches peers that vanish without a FIN (host down,
 partition). (The measurements behind this: benchmarks/notes.md.)
 
-A step's layer calls take prepared calls (tcp_fast.py, csrc/cpu/sock_calls.cpp):
+A step's layer calls take prepared calls (step_calls.py, tcp_frames.py):
 one C call per message end, the frame's bytes before its payload fixed when
 the step begins, so Python runs nothing per message. See shm.py for shared
 memory.
@@ -66,7 +66,8 @@ from vllm.afd.transport.connectors.base import (AFDConnectionError, AFDConnector
                                                 WaitCallback, spin_us_setting)
 from vllm.afd.transport.connectors.socket_link import (  # noqa: F401 (re-exported)
     _HANGUP, MAGIC, MAX_HEADER_BYTES, PREFIX, SocketLink)
-from vllm.afd.transport.connectors.tcp_fast import SocketCalls
+from vllm.afd.transport.connectors.step_calls import StepCalls
+from vllm.afd.transport.connectors.tcp_frames import TcpFrames
 from vllm.afd.transport.wire import LayerFrame, ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -355,10 +356,11 @@ class SocketConnector(AFDConnector):
             table.clear()
 
 
-class TcpConnector(SocketCalls, SocketConnector):
+class TcpConnector(TcpFrames, StepCalls, SocketConnector):
     """The tcp connector: payloads on the socket, a step's layer calls in one C
-    call per message end (tcp_fast.py)."""
+    call per message end (step_calls.py, tcp_frames.py)."""
 
     def __init__(self, afd_config, **kwargs) -> None:
         super().__init__(afd_config, **kwargs)
-        self._init_socket_calls()
+        self._init_step_calls()
+        self._init_tcp_frames()

@@ -1,0 +1,250 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""The shm connector's frames: a step's prepared layer calls on the lane, and
+one C call per message end for the calls they do not carry.
+
+A step's layer calls (step_calls.py, csrc/cpu/step_calls.cpp) go through the
+lane with each payload in its micro-batch's slot (_step_frames): the FFN's
+exact hidden states are taken there without a copy (a view of the slot), fp8
+is unpacked from it into the connector's unpack buffer, a routed frame's
+routing follows the hidden states in the same slot and is viewed in place.
+Device tensors (CUDA) are staged through the same slots: the sender copies its
+tensor into its slot and waits for the copy (the peer reads the slot once the
+header is out), then posts with the slot itself as the source (the C call
+copies nothing then); the receiver takes the frame leaving the payload in its
+slot, then copies it to the device on the consumer's stream, and the slot's
+event is settled before this side's next message on that micro-batch (which
+lets the peer write the slot again).
+
+The attention side's send_hidden and recv_output (a step's calls that the
+prepared calls did not carry: a pool step with followers) take one call into
+csrc/cpu/lane.cpp in the common case:
+
+  sending    the tensor's bytes into the micro-batch's slot, the frame's header
+             (a template per shape, patched with step, layer and micro-batch)
+             into the ring, published: lane_send_frame
+  receiving  wait, compare the entry with the header expected next, consume it,
+             copy the payload into the caller's `out`: lane_recv_frame
+
+Which case is common: CPU tensors (host memory on both ends), exact transfer,
+no routing, the caller's own checks passing. Everything else, and every
+surprise, takes the general path of attention_side.py, unchanged: a message
+that is not the expected frame (an ErrorFrame, a goodbye, a malformed or
+mismatched frame) is left in the ring for it, so it decodes it and raises the
+error it always did; a wait that ends without the frame (after
+doorbell.FAST_WAIT_MS, or the link's spin where longer, or closed) continues
+there too, with its own timeout_s, logging and error messages.
+
+Why comparing bytes checks the frame: prepared.py.
+
+Mixed into ShmConnector (shm.py) ahead of StepCalls and the protocol classes.
+"""
+
+import time
+
+import torch
+
+from vllm.afd.transport import doorbell, wire
+from vllm.afd.transport.buffers import HostSlots
+from vllm.afd.transport.connectors.prepared import (
+    Ubatch, codec_spec, frame_template, received_frame)
+from vllm.afd.transport.connectors.step_calls import StepFrames
+from vllm.afd.transport.errors import LinkClosed, LinkTimeout
+
+
+class ShmFrames:
+    """See the module docstring. Needs, from ShmConnector: _links (RingLinks
+    once connected), _tx/_rx (HostSlots), and the protocol state of
+    attention_side.py and ffn_side.py."""
+
+    def _init_shm_frames(self) -> None:
+        # Per direction: rows -> template (or None: this shape goes the general way).
+        self._send_templates: dict[int, tuple | None] = {}
+        self._recv_templates: dict[int, tuple | None] = {}
+        # rows -> the template of the frame toward the FFN with routing
+        # (gate_on "attention": the hidden states of MoE layers carry it)
+        self._routed_templates: dict[int, tuple | None] = {}
+        # peer -> slot addresses (send, receive), per micro-batch
+        self._slot_addresses: dict[int, tuple[list[int], list[int]]] = {}
+
+    def _fast_enabled(self) -> bool:
+        """Host memory both ends (CUDA tensors staged through it), exact
+        transfer both ways, no routing."""
+        return (self.device.type in ("cpu", "cuda") and not self.send_scale_group
+                and not self.receive_scale_group and not self.routing_topk)
+
+    def _staged_source(self, peer: int, u: int, t: torch.Tensor) -> int:
+        """On a device connector, the address a prepared post sends from: t
+        copied into this side's slot u (waited for: the peer reads the slot
+        once the header arrives). Before that, the last read of the received
+        slot u is settled: once the peer has this message it may write that
+        slot again."""
+        self._rx[peer].release(u)
+        tx = self._tx[peer]
+        tx.write(u, (t,), t.nbytes)
+        return tx.address(u)
+
+    def _template(self, table: dict, rows: int, scale_group: int = 0, topk: int = 0):
+        """The frame template of rows (in this direction's encoding: its table's)."""
+        if rows not in table:
+            table[rows] = frame_template(self.dtype, rows, self.hidden_size, scale_group, topk)
+        return table[rows]
+
+    def _addresses(self, peer: int) -> tuple[list[int], list[int]] | None:
+        addresses = self._slot_addresses.get(peer)
+        if addresses is None:
+            tx, rx = self._tx.get(peer), self._rx.get(peer)
+            if tx is None or rx is None:
+                return None
+            addresses = self._slot_addresses[peer] = (
+                [tx.address(u) for u in range(tx.count)],
+                [rx.address(u) for u in range(rx.count)])
+        return addresses
+
+    def _usable(self, peer: int, t: torch.Tensor, rows: int):
+        """The peer's RingLink when the fast path may carry t ([rows, hidden],
+        this dtype, contiguous host memory) over a healthy link; else None."""
+        if self._failure is not None or not self._connected:
+            return None
+        link = self._links.get(peer)
+        if (type(link) is not doorbell.RingLink or t.dtype != self.dtype or not t.is_cpu
+                or not self._on_host or t.shape != (rows, self.hidden_size)
+                or not t.is_contiguous()):
+            return None
+        return link
+
+    def _post_frame(self, peer: int, link, template, step_id: int, layer_id: int, u: int,
+                    src: int, dst: int) -> None:
+        """Send the frame (and copy the payload src -> dst), waiting for room in
+        the ring in the rare case there is none."""
+        encoded, step_at, layer_at, ubatch_at, nbytes = template
+        status = link.C.lane_send_frame(link.lane, encoded, step_at, layer_at, ubatch_at,
+                                        step_id, layer_id, u, src, dst, nbytes)
+        if status:
+            what = f"layer {layer_id} ubatch {u} of step {step_id}"
+            try:
+                link.post(lambda: link.C.lane_send_frame(
+                    link.lane, encoded, step_at, layer_at, ubatch_at, step_id, layer_id, u,
+                    src, dst, nbytes), time.monotonic() + self.timeout_s)
+            except (LinkTimeout, LinkClosed) as e:
+                raise self._link_error(e, self.peer_name(peer), what, "send") from None
+        self.bytes_sent += nbytes + link.frame_overhead + len(encoded)
+        self.fast_calls += 1
+
+    def _recv_frame(self, link, template, step_id: int, layer_id: int, u: int, src: int,
+                    dst: int) -> bool:
+        """Wait for the frame and take it (payload src -> dst unless dst is 0);
+        False: it did not come as expected, the general path takes over."""
+        encoded, step_at, layer_at, ubatch_at, nbytes = template
+        status = link.C.lane_recv_frame(link.lane, link.spin_ns, link.fast_wait_ms,
+                                        encoded, step_at, layer_at, ubatch_at, step_id,
+                                        layer_id, u, src, dst, nbytes)
+        if status != 1:
+            return False
+        self.bytes_received += nbytes + link.frame_overhead + len(encoded)
+        self.fast_calls += 1
+        return True
+
+    def _step_frames(self, peer: int, step: wire.StepHeader) -> "StepFrames | None":
+        """The step's frames on the lane (step_calls.py): each payload in its
+        micro-batch's slot; the FFN's exact hidden states taken there without
+        a copy."""
+        link = self._links.get(peer)
+        addresses = self._addresses(peer) if type(link) is doorbell.RingLink else None
+        if addresses is None:
+            return None
+        sends, recvs, routed_frames, ubatches = [], [], [], []
+        hidden, dtype, topk = self.hidden_size, self.dtype, self.routing_topk
+        send_group, receive_group = self.send_scale_group, self.receive_scale_group
+        # Frames toward the FFN carry routing on MoE layers (gate_on "attention").
+        to_ffn_group = send_group if self.is_attention else receive_group
+        overhead = link.frame_overhead
+        # A device's fp8 and routing are packed and unpacked on it (around the
+        # staging), so its frames go as they are: no codec in the C calls.
+        raw = not self._on_host
+        for u, rows in enumerate(step.num_tokens):
+            out_t = self._template(self._send_templates, rows, send_group)
+            in_t = self._template(self._recv_templates, rows, receive_group)
+            out_codec = None if raw else codec_spec(dtype, rows, hidden, send_group)
+            in_codec = None if raw else codec_spec(dtype, rows, hidden, receive_group)
+            if out_t is None or in_t is None or out_codec is False or in_codec is False:
+                return None
+            sends.append((*out_t[:4], addresses[0][u], out_t[4], out_codec))
+            recvs.append((*in_t[:4], addresses[1][u], in_t[4], in_codec))
+            shape = [rows, hidden]
+            # The FFN's hidden states: a view of the slot (exact; taken without a
+            # copy) or the buffer the C call unpacks fp8 into.
+            view, into = None, 0
+            if not self.is_attention and self._on_host:
+                if in_codec is None:
+                    view = self._rx[peer].view(u, dtype, shape)
+                else:
+                    view = self._unpack_buffer(peer, u, dtype, self.device)[
+                        :rows * hidden].view(rows, hidden)
+                    into = view.data_ptr()
+            routed, routing = 0, None
+            # Raw received frames that need the device to decode them: fp8.
+            unstage = [(received_frame(dtype, rows, hidden, receive_group, 0, u), in_t[4])
+                       if raw and receive_group else None, None]
+            if topk:  # the same slot, the routing after the hidden states
+                routed_t = self._template(self._routed_templates, rows, to_ffn_group, topk)
+                routed_codec = (None if raw else
+                                codec_spec(dtype, rows, hidden, to_ffn_group, 0, topk))
+                if routed_t is None or routed_codec is False:
+                    return None
+                slot = addresses[0 if self.is_attention else 1][u]
+                routed_frames.append((*routed_t[:4], slot, routed_t[4], routed_codec))
+                routed = routed_t[4] + overhead + len(routed_t[0])
+                if not self.is_attention and raw:  # the routing: views on the device
+                    unstage[1] = (received_frame(dtype, rows, hidden, to_ffn_group, topk, u),
+                                  routed_t[4])
+                elif not self.is_attention:
+                    layout = wire.PayloadLayout.of(rows, hidden, dtype, to_ffn_group, topk)
+                    routing = wire.routing_views(self._rx[peer].slot(u)[:layout.total],
+                                                 layout, rows, topk)
+            ubatches.append(Ubatch(rows, hidden, dtype, out_t[4] + overhead + len(out_t[0]),
+                                   in_t[4] + overhead + len(in_t[0]), view, into, routed,
+                                   routing, topk, tuple(unstage) if any(unstage) else None))
+        return link, link.lane, link.spin_ns, sends, recvs, routed_frames, ubatches
+
+    def _staged_target(self, peer: int, u: int) -> int:
+        return 0  # a device side's received payload stays in its slot
+
+    def _staged_slots(self, peer: int) -> HostSlots:
+        return self._rx[peer]
+
+    # ------------------------------------------------------- attention side
+    def send_hidden(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
+                    expect_output: bool = True, routing: wire.Routing | None = None) -> None:
+        step = self._step
+        if (routing is None and expect_output and self.is_attention and step is not None
+                and self._fast_enabled() and 0 <= ubatch_id < len(step.num_tokens)
+                and all(u != ubatch_id for _, u, _ in self._in_flight)):
+            rows = step.num_tokens[ubatch_id]
+            link = self._usable(0, h, rows)
+            template = self._template(self._send_templates, rows) if link else None
+            addresses = self._addresses(0) if template else None
+            if addresses is not None:
+                self._post_frame(0, link, template, step.step_id, layer_id, ubatch_id,
+                                 h.data_ptr(), addresses[0][ubatch_id])
+                self._in_flight.append((layer_id, ubatch_id, [rows, self.hidden_size]))
+                return
+        super().send_hidden(layer_id, ubatch_id, h, expect_output, routing)
+
+    def recv_output(self, layer_id: int, ubatch_id: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        step, in_flight = self._step, self._in_flight
+        if (out is not None and in_flight and self.is_attention and step is not None
+                and in_flight[0][0] == layer_id and in_flight[0][1] == ubatch_id
+                and self._fast_enabled()):
+            rows = in_flight[0][2][0]
+            link = self._usable(0, out, rows)
+            template = self._template(self._recv_templates, rows) if link else None
+            addresses = self._addresses(0) if template else None
+            if addresses is not None and self._recv_frame(
+                    link, template, step.step_id, layer_id, ubatch_id,
+                    addresses[1][ubatch_id], out.data_ptr()):
+                in_flight.popleft()
+                return out
+        return super().recv_output(layer_id, ubatch_id, out)
+

@@ -1,0 +1,374 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
+"""A step's layer calls, prepared once per step: one implementation for the
+connectors whose message ends this host posts (shm's lane, tcp's socket).
+
+Through a connector's general path (attention_side.py, ffn_side.py) a layer
+call's message end is a dozen Python functions: the checks, a LayerFrame built
+and encoded, the slot copy or the sendmsg; on receipt the decode,
+wire.check_frame, the slot's view or the receives. After a layer's compute,
+with the caches cold, each of those lines costs microseconds on the path both
+sides wait on (the figures: benchmarks/notes.md). So what is fixed for a step
+is fixed once when it begins (send_step on the attention side, recv_step on the
+FFN side): per micro-batch and direction the frame's bytes up to its payload
+(prepared.py's templates, patched with step and micro-batch), where the
+payload goes and how it is encoded. A layer call is then one C call per
+message end (csrc/cpu/step_calls.cpp, one implementation for both transports):
+
+  attention  prepared_send(layer, u, h, out), then prepared_recv(layer, u, out):
+             send h; wait for the output and copy it into out (the link counts
+             the call in between, while the FFN computes)
+  FFN        reply_prepared(peer, layer, u, out), then recv_prepared(peer,
+             next_layer, next_u): send this call's output; wait for the next
+             call's hidden states (reply_and_recv does both; recv_hidden and
+             send_output, a step's first receive and last send, too)
+
+What the transport decides is the connector's (_step_frames and the staging
+hooks below): where a frame's payload goes (shm: the micro-batch's slot,
+where the FFN's exact hidden states are taken without a copy; tcp: straight
+into the caller's tensor or the connector's receive buffer, after the
+connector's frame prefix) and how device tensors are staged through host
+memory.
+
+Everything that is not the common case, and every surprise, takes the general
+path, unchanged: nothing sent (a full ring or socket buffer) means the general
+path sends it all; a receive that does not find the expected frame within its
+bound (doorbell.FAST_WAIT_MS, or the link's spin where longer) leaves the
+message where it was (in the ring; peeked, not read, on a socket), and the
+general receive reads it and raises the error it always did (an ErrorFrame, a
+goodbye, a malformed or mismatched frame), with its own timeout. A socket that
+fails mid-frame breaks the stream: the connector fails with the general path's
+error for it, and the caller's next call raises it.
+
+fp8 directions (AFDConfig.transfer_dtype) and routed frames (gate_on
+"attention") take them too, for host tensors: the C call packs the caller's
+tensor (and the routing after it) into the payload, or unpacks the payload's
+hidden states into the caller's tensor (on the FFN its unpack buffer; the
+routing viewed in place), with afd::pack's row kernels (csrc/cpu/frame_codec.h).
+CUDA tensors are staged through the connector's host slots: their fp8 and
+routing are packed on the device by the op library (codec._encode) and their
+frames prepared raw; the receiver copies the payload to its device and decodes
+it there (codec._decode_staged).
+"""
+
+import errno
+import os
+
+import torch
+
+from vllm.afd.transport import doorbell, wire
+from vllm.afd.transport.buffers import HostSlots
+from vllm.afd.transport.connectors.codec import Packed
+from vllm.afd.transport.connectors.prepared import Ubatch, routable
+from vllm.afd.transport.errors import LinkClosed, LinkTimeout, What
+
+# What _step_frames gives: the object the calls keep alive, the transport (a
+# lane's capsule or a socket's descriptor), the spin in ns, and per micro-batch
+# the frames each way (step_calls_prepare's tuples), the routed ones, the
+# Ubatch records.
+StepFrames = tuple
+
+
+class StepCalls:
+    """See the module docstring. Mixed into ShmConnector and TcpConnector
+    ahead of the protocol classes; needs their protocol state (_awaiting,
+    _routings, _in_flight, _failure) and the hooks below."""
+
+    def _init_step_calls(self) -> None:
+        # peer -> the step's prepared calls: (capsule, the op module, per
+        # micro-batch a prepared.Ubatch), or None: the general path's step
+        self._prepared: dict[int, tuple | None] = {}
+        self._prepared_send_ns: dict[int, int] = {}  # send time already reported
+        self.fast_calls = 0  # message ends taken by C calls (tests, benchmarks)
+        # Host tensors on a host connector: no staging, no slot events to settle.
+        self._on_host = self.device.type == "cpu"
+
+    # ---------------------------------------------------- the transport's part
+    def _step_frames(self, peer: int, step: wire.StepHeader) -> "StepFrames | None":
+        """The step's frames with peer (see StepFrames), or None: this step
+        goes the general way."""
+        raise NotImplementedError
+
+    def _staged_source(self, peer: int, u: int, t: torch.Tensor) -> int:
+        """A device tensor's bytes in this side's host slot u, landed: the
+        address a prepared post sends from."""
+        raise NotImplementedError
+
+    def _staged_target(self, peer: int, u: int) -> int:
+        """Where a device side's prepared receive puts the payload (0: it stays
+        where the transport left it), once the last copy out of it is done."""
+        raise NotImplementedError
+
+    def _staged_slots(self, peer: int) -> HostSlots:
+        """The host slots a device side's received payloads are read from."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------- preparing
+    def _prepared_enabled(self) -> bool:
+        """Host memory both ends, exact or fp8, with routing or without. CUDA
+        tensors are staged; their fp8 and routing are packed on the device by
+        the op library (where it packs: csrc/cpu/frame_codec.h packs host
+        memory only), their frames then prepared raw."""
+        return self.device.type in ("cpu", "cuda") and (self._on_host or self._packs or not (
+            self.send_scale_group or self.receive_scale_group or self.routing_topk))
+
+    def _prepare(self, peer: int, step: wire.StepHeader) -> None:
+        """Prepare the step's layer calls with peer (see the module docstring)."""
+        self._prepared[peer] = None
+        self._prepared_send_ns.pop(peer, None)
+        if (step.is_goodbye or step.is_shutdown or not self._prepared_enabled()
+                or self._failure is not None or not self._connected):
+            return
+        frames = self._step_frames(peer, step)
+        if frames is None:
+            return
+        owner, transport, spin_ns, sends, recvs, routed, ubatches = frames
+        C = doorbell.lane_module()
+        attention = self.is_attention
+        calls = C.step_calls_prepare(owner, transport, step.step_id, spin_ns,
+                                     doorbell.FAST_WAIT_MS, max(1, int(self.timeout_s * 1000)),
+                                     sends, recvs, routed if routed and attention else None,
+                                     routed if routed and not attention else None)
+        self._prepared[peer] = (calls, C, ubatches)
+
+    def _prepared_send_s(self, peer: int) -> float:
+        """Time the prepared calls spent sending since the last time asked."""
+        prepared = self._prepared.get(peer)
+        if prepared is None:
+            return 0.0
+        send_ns = prepared[1].step_calls_times(prepared[0])[0]
+        before = self._prepared_send_ns.get(peer, 0)
+        self._prepared_send_ns[peer] = send_ns
+        return (send_ns - before) * 1e-9
+
+    def _not_sent(self, peer: int, status: int, layer_id: int, u: int, what: str) -> bool:
+        """A post's status other than 0 (sent): 1, nothing sent (the general
+        path sends it); -errno, a socket's stream broken mid-frame (the
+        connector fails with the general path's error, raised by the caller's
+        next call). False either way: the caller's `return` (a Python call
+        less on the common path, which checks the status inline)."""
+        if status < 0:
+            self._broken(peer, status, What("layer {} ubatch {} " + what, layer_id, u), "send")
+        return False
+
+    def _broken(self, peer: int, status: int, what: What, action: str) -> None:
+        """A prepared call that left a socket's stream mid-frame: fail the
+        connector with the general path's error."""
+        error = (LinkTimeout() if status == -errno.ETIMEDOUT
+                 else LinkClosed(os.strerror(-status)))
+        self._link_error(error, self.peer_name(peer), what, action)
+
+    def _post_packed(self, peer: int, layer_id: int, u: int, t: torch.Tensor, ub: Ubatch,
+                     routing: "wire.Routing | None", calls, C) -> bool:
+        """A device tensor's fp8 or routed frame (prepared raw): packed on its
+        device by the op library (the general path's bytes: codec._encode),
+        staged, posted. False: nothing sent."""
+        if routing is not None and not (ub.routed and routable(*routing, ub, t.device)):
+            return False
+        src = self._staged_source(peer, u, self._encode(peer, u, t, routing))
+        # Any routing address selects the routed frame; a raw frame's routing
+        # is in its payload, at src.
+        status = C.step_calls_post(calls, u, layer_id, src, *((src, src) if routing else ()))
+        if status:
+            return self._not_sent(peer, status, layer_id, u, "hidden states")
+        self.bytes_sent += ub.sent if routing is None else ub.routed
+        self.fast_calls += 1
+        return True
+
+    # ------------------------------------------------------- attention side
+    def send_step(self, header: wire.StepHeader) -> None:
+        super().send_step(header)
+        if self.is_attention:
+            self._prepare(0, header)
+
+    def exchange_prepared(self) -> bool:
+        return self._prepared.get(0) is not None
+
+    def prepared_send(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
+                      out: torch.Tensor | None, routing: wire.Routing | None = None) -> bool:
+        prepared = self._prepared.get(0)
+        if prepared is None or self._in_flight or self._failure is not None:
+            return False
+        calls, C, ubatches = prepared
+        ub = ubatches[ubatch_id]
+        # Inline checks: a Python call costs microseconds on a cold cache (each
+        # tensor attribute 1-3 us after a layer's compute). What the copy needs
+        # (host memory, contiguous, the frame's byte count) and the dtype;
+        # nbytes, not shape: a tuple compare costs 4x an attribute. `out`'s are
+        # prepared_recv's, made while the FFN computes.
+        if not (h.dtype == self.dtype and h.nbytes == ub.nbytes and h.is_contiguous()):
+            return False
+        if h.is_cpu and self._on_host:
+            src = h.data_ptr()
+        elif self.send_scale_group or routing is not None:
+            # A device connector's frame, prepared raw; a host connector's C
+            # packs host memory: a device tensor there goes the general way.
+            return not self._on_host and self._post_packed(0, layer_id, ubatch_id, h, ub,
+                                                           routing, calls, C)
+        else:
+            src = self._staged_source(0, ubatch_id, h)
+        if routing is None:
+            status = C.step_calls_post(calls, ubatch_id, layer_id, src)
+            if status:
+                return self._not_sent(0, status, layer_id, ubatch_id, "hidden states")
+            self.bytes_sent += ub.sent
+        else:
+            weights, ids = routing
+            if not (ub.routed and routable(weights, ids, ub)):
+                return False  # not prepared, or not as the frame needs it
+            status = C.step_calls_post(calls, ubatch_id, layer_id, src, weights.data_ptr(),
+                                       ids.data_ptr())
+            if status:
+                return self._not_sent(0, status, layer_id, ubatch_id, "hidden states")
+            self.bytes_sent += ub.routed
+        self.fast_calls += 1
+        return True
+
+    def prepared_recv(self, layer_id: int, ubatch_id: int, out: torch.Tensor) -> bool:
+        prepared = self._prepared.get(0)
+        if prepared is None:
+            raise ValueError(f"{self.me}: prepared_recv without prepared_send")
+        calls, C, ubatches = prepared
+        ub = ubatches[ubatch_id]
+        on_host, unstage = out.is_cpu and self._on_host, ub.unstage
+        # What the copy into `out` needs (as prepared_send's checks, made here
+        # while the FFN computes); fp8 is unpacked into host memory by the C
+        # call, on a device connector on the device (unstage). The general
+        # receive takes any other `out`.
+        if (out.dtype == self.dtype and out.nbytes == ub.nbytes and out.is_contiguous()
+                and (on_host or not self.receive_scale_group or unstage is not None)):
+            # Counted before, so that nothing stands between the output's
+            # arrival and the caller; undone when it does not come.
+            self.bytes_received += ub.received
+            self.fast_calls += 1
+            status = C.step_calls_take(calls, ubatch_id, layer_id, out.data_ptr() if on_host
+                                       else self._staged_target(0, ubatch_id))
+            if status == 1:
+                if not on_host:  # staged: from the slot on the caller's stream
+                    if unstage is None:
+                        self._staged_slots(0).read(ubatch_id, self.dtype, ub.shape, out)
+                    else:
+                        self._decode_staged(self._staged_slots(0), 0, ubatch_id, unstage[0],
+                                            out)
+                return True
+            self.bytes_received -= ub.received
+            self.fast_calls -= 1
+            if status < 0:
+                self._broken(0, status, What("the output of layer {} ubatch {}", layer_id,
+                                             ubatch_id), "payload")
+        # The general receive takes over (recv_output: its wait, its errors).
+        self._in_flight.append((layer_id, ubatch_id, ub.shape))
+        return False
+
+    def take_exchange_send_s(self) -> float:
+        return self._prepared_send_s(0)
+
+    # ------------------------------------------------------------- FFN side
+    def recv_step(self, peer: int = 0, timeout_s: float | None = None) -> wire.StepHeader:
+        header = super().recv_step(peer, timeout_s)
+        if not self.is_attention:
+            self._prepare(peer, header)
+        return header
+
+    def reply_and_recv(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor,
+                       next_layer: int, next_ubatch: int) -> "torch.Tensor | Packed":
+        if self.reply_prepared(peer, layer_id, ubatch_id, out):
+            return self.recv_prepared(peer, next_layer, next_ubatch)
+        return super().reply_and_recv(peer, layer_id, ubatch_id, out, next_layer, next_ubatch)
+
+    def reply_prepared(self, peer: int, layer_id: int, ubatch_id: int,
+                       out: torch.Tensor) -> bool:
+        prepared = self._prepared.get(peer)
+        awaiting, key = self._awaiting, (peer, ubatch_id)
+        awaited = awaiting.get(key)
+        if (prepared is None or awaited is None or awaited[0] != layer_id
+                or self._failure is not None):
+            return False
+        calls, C, ubatches = prepared
+        ub = ubatches[ubatch_id]
+        # Inline checks (see prepared_send): this is the path from the mlp to
+        # the attention side.
+        if not (out.dtype == self.dtype and out.nbytes == ub.nbytes and out.is_contiguous()):
+            return False
+        if out.is_cpu and self._on_host:
+            src = out.data_ptr()
+        elif self.send_scale_group:  # fp8: packed on the device, then staged
+            if self._on_host:
+                return False  # a device tensor on a host connector: the general way
+            src = self._staged_source(peer, ubatch_id, self._encode(peer, ubatch_id, out, None))
+        else:
+            src = self._staged_source(peer, ubatch_id, out)
+        status = C.step_calls_post(calls, ubatch_id, layer_id, src)
+        if status:
+            return self._not_sent(peer, status, layer_id, ubatch_id, "output")
+        # Sent: the bookkeeping now, while the attention side computes.
+        self.bytes_sent += ub.sent
+        self.fast_calls += 1
+        del awaiting[key]
+        self._routings.pop(key, None)
+        return True
+
+    def _take_prepared(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor | None":
+        """The FFN's prepared receive: the hidden states, or None when they did
+        not come as expected (the general receive takes over)."""
+        prepared = self._prepared.get(peer)
+        if prepared is None or self._failure is not None:
+            return None
+        calls, C, ubatches = prepared
+        ub = ubatches[ubatch_id]
+        view = ub.view  # a host FFN's: where its hidden states are taken
+        target = ub.into if view is not None else self._staged_target(peer, ubatch_id)
+        # The receive's bookkeeping as if it will succeed (undone below when it
+        # does not): after the receive, only the return stands between it and
+        # the next mlp.
+        key = (peer, ubatch_id)
+        self._awaiting[key] = (layer_id, ub.shape)
+        self._routings[key] = None
+        self.bytes_received += ub.received
+        self.fast_calls += 1
+        status = C.step_calls_take(calls, ubatch_id, layer_id, target)
+        if status == 1 and view is not None:
+            return view  # the common case first: the next mlp waits on this path
+        if status > 0:
+            if status == 2:  # the routed frame: its routing stays in the payload
+                self._routings[key] = ub.routing
+                self.bytes_received += ub.routed - ub.received
+            unstage = ub.unstage
+            if unstage is not None and unstage[status - 1] is not None:
+                # A device's fp8 or routed frame: decoded there (the routing
+                # viewed in the device's copy of the payload).
+                h, self._routings[key] = self._decode_staged(
+                    self._staged_slots(peer), peer, ubatch_id, unstage[status - 1])
+                return h
+            # On a device: copied from the slot on this side's stream.
+            return view if view is not None else self._staged_slots(peer).read(
+                ubatch_id, self.dtype, ub.shape)
+        del self._awaiting[key]
+        del self._routings[key]
+        self.bytes_received -= ub.received
+        self.fast_calls -= 1
+        if status < 0:
+            self._broken(peer, status, What("the hidden states of layer {} ubatch {}",
+                                            layer_id, ubatch_id), "payload")
+        return None
+
+    def recv_prepared(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor | Packed":
+        # recv_hidden's, one Python frame fewer between the frame and the mlp.
+        h = self._take_prepared(peer, layer_id, ubatch_id)
+        return h if h is not None else super().recv_hidden(peer, layer_id, ubatch_id, defer=True)
+
+    def recv_hidden(self, peer: int, layer_id: int, ubatch_id: int, *,
+                    defer: bool = False) -> "torch.Tensor | Packed":
+        # The FFN's receives (a step's first; the rest through recv_prepared,
+        # above): the prepared call where the step has them, else (or when
+        # the frame is not the expected one) the general receive.
+        h = self._take_prepared(peer, layer_id, ubatch_id) if not self.is_attention else None
+        return h if h is not None else super().recv_hidden(peer, layer_id, ubatch_id,
+                                                           defer=defer)
+
+    def send_output(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> None:
+        if not self.reply_prepared(peer, layer_id, ubatch_id, out):  # a step's last call
+            super().send_output(peer, layer_id, ubatch_id, out)
+
+    def take_reply_send_s(self, peer: int) -> float:
+        return self._prepared_send_s(peer) + super().take_reply_send_s(peer)
