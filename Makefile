@@ -109,9 +109,9 @@ bench: $(WHEEL_STAMP)
 CPU_PROFILE := benchmarks/results/cpu-profile.toml
 plan-check: $(WHEEL_STAMP)
 	$(PY) tools/make_tiny_models.py --out $(MODELS) --models bench-qwen3-moe
-	$(PY) -m vllm.afd.commands plan --calibrate --out $(CPU_PROFILE) \
+	$(PY) -m vllm.afd.deploy.commands plan --calibrate --out $(CPU_PROFILE) \
 		--calibrate-model $(MODELS)/bench-qwen3-moe
-	-$(PY) -m vllm.afd.commands plan --check-bench benchmarks/results/afd_vs_colocated.json \
+	-$(PY) -m vllm.afd.deploy.commands plan --check-bench benchmarks/results/afd_vs_colocated.json \
 		--hardware $(CPU_PROFILE)
 	$(VENV)/bin/pytest -q -p no:randomly tests/afd/test_planner.py
 

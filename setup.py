@@ -39,8 +39,8 @@ BENCH_REQUIREMENTS = ["matplotlib==3.10.9"]
 # The `ray` extra (pip install 'vllm-afd[ray]'): `vllm-afd launch` and the Ray
 # executors; requirements/dev.txt pins the same for the tests.
 RAY_REQUIREMENTS = ["ray==2.55.1"]
-# Our command beside upstream's `vllm` (vllm/afd/commands.py).
-AFD_CONSOLE_SCRIPTS = ["vllm-afd = vllm.afd.commands:main"]
+# Our command beside upstream's `vllm` (vllm/afd/deploy/commands.py).
+AFD_CONSOLE_SCRIPTS = ["vllm-afd = vllm.afd.deploy.commands:main"]
 
 
 def base_requirements(pin, flavor: str) -> tuple[list[str], dict[str, list[str]], str]:

@@ -260,7 +260,7 @@ def run_afd(args: argparse.Namespace) -> dict[str, dict]:
 
 
 def machine_info() -> dict:
-    from vllm.afd.planner.calibrate import cpu_generation, cpu_isa, cpu_model
+    from vllm.afd.deploy.planner.calibrate import cpu_generation, cpu_isa, cpu_model
 
     return {"cpu_model": cpu_model(), "cpu_isa": cpu_isa(), "cpu_generation": cpu_generation(),
             "cpu_count": os.cpu_count(),
@@ -747,7 +747,7 @@ def echo_ffn_process(config: dict, hidden: int, dtype_name: str, max_tokens: int
     every message, 60-70 us of a round trip that the real link does not pay."""
     import torch
 
-    from vllm.afd.config import AFDConfig
+    from vllm.afd.adapter.config import AFDConfig
     from vllm.afd.transport.connectors import create_connector
 
     pin(FFN_CORES)
@@ -806,7 +806,7 @@ def floor_for_m(m: int, args: argparse.Namespace, hidden: int, num_layers: int) 
 
     import torch
 
-    from vllm.afd.config import AFDConfig
+    from vllm.afd.adapter.config import AFDConfig
     from vllm.afd.transport.connectors import create_connector
 
     dtype, port = getattr(torch, args.dtype), free_port()

@@ -8,7 +8,7 @@ A local one-node Ray cluster (tools/ray_head.py; its own start is not counted).
 For 1A:1F (shm) and 2A:1F (tcp, with a secret), each repeat measures:
   by hand   the plan's exact command lines (vllm-afd launch --dry-run's), started
             together as plain processes, until every /health answers 200
-  launch    `python -m vllm.afd.launch SPEC` from its start until it prints
+  launch    `python -m vllm.afd.deploy.launch SPEC` from its start until it prints
             "ready in" (placement groups, actors, the same servers, readiness)
 The difference is what Ray placement and supervision cost. Writes OUT/launch_time.json.
 """
@@ -32,8 +32,8 @@ sys.path.insert(0, str(REPO / "tools"))
 from ray_head import RayHead  # noqa: E402
 from servers import cpu, free_port, http_get  # noqa: E402
 
-from vllm.afd.launch import spec as spec_file  # noqa: E402
-from vllm.afd.launch.plan import Node, make_plan  # noqa: E402
+from vllm.afd.deploy.launch import spec as spec_file  # noqa: E402
+from vllm.afd.deploy.launch.plan import Node, make_plan  # noqa: E402
 
 COMMON = ["--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
           "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
@@ -95,7 +95,7 @@ def launched(spec: dict, address: str, work: Path) -> tuple[float, float]:
     path = work / f"{spec['name']}.json"
     path.write_text(json.dumps(spec))
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.afd.launch", str(path), "--address",
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.afd.deploy.launch", str(path), "--address",
                              address, "--log-dir", str(work / "logs")],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=os.environ,

@@ -188,8 +188,8 @@ def run(tokens: int, stream_mb: int, steps: int, through: str, device: str = "cp
                              dtype=torch.bfloat16, max_tokens=tokens, device=context)
         seams = None  # through the link's exchange
         if through == "model":  # the modules add their layers to the process's link
-            from vllm.afd.attention import runner  # vLLM's: not on a machine without it
-            from vllm.afd.model.remote_ffn import RemoteFFN
+            from vllm.afd.adapter.attention import runner  # vLLM's: not on a machine without it
+            from vllm.afd.adapter.model.remote_ffn import RemoteFFN
 
             runner.install_link(link)
             seams = [RemoteFFN(layer, None) for layer in range(LAYERS)]
@@ -393,7 +393,7 @@ def main(argv=None) -> int:
     use_staging_variants()
     import torch
 
-    from vllm.afd.planner.calibrate import cpu_generation, cpu_isa, cpu_model
+    from vllm.afd.deploy.planner.calibrate import cpu_generation, cpu_isa, cpu_model
 
     torch.set_num_threads(1)
     results = {"benchmark": "layer_call", "machine": {

@@ -55,7 +55,7 @@ def pin(core: int) -> None:
 
 
 def config(role: str, connector: str, port: int, extra: dict, transfer: str = "auto"):
-    from vllm.afd.config import AFDConfig
+    from vllm.afd.adapter.config import AFDConfig
 
     return AFDConfig(role=role, connector=connector, port=port, timeout_s=60,
                      connector_extra_config=extra, transfer_dtype=TRANSFERS[transfer])
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     pin(ATTENTION_CORE)
     import torch
 
-    from vllm.afd.planner.calibrate import cpu_generation, cpu_isa, cpu_model
+    from vllm.afd.deploy.planner.calibrate import cpu_generation, cpu_isa, cpu_model
 
     torch.set_num_threads(1)
     results = {"benchmark": "link_latency", "machine": {

@@ -46,7 +46,7 @@ def test_the_configuration_page_is_generated_from_the_code(capsys):
 def test_every_field_and_connector_key_is_on_the_page():
     """Against the installed code, not only the sources the generator reads: a
     field or key the generator missed fails here."""
-    from vllm.afd.config import AFDConfig
+    from vllm.afd.adapter.config import AFDConfig
     from vllm.afd.transport.connectors.registry import connector_class, connector_names
 
     rows = {r[0].strip("`"): r for r in page_rows("`AFDConfig` fields")}
@@ -79,7 +79,7 @@ def test_a_changed_docstring_makes_the_page_stale(tmp_path, capsys):
     root = copy_sources(tmp_path)
     assert config_doc.main(["--root", str(root), "--check"]) == 0
     edits = [
-        ("vllm/afd/config.py", '"""Port of the FFN server\'s rendezvous socket (1-65535)."""',
+        ("vllm/afd/adapter/config.py", '"""Port of the FFN server\'s rendezvous socket (1-65535)."""',
          '"""Port of the FFN server\'s rendezvous socket (1-65535, see above)."""'),
         ("vllm/afd/transport/connectors/tcp.py", '    """spin_us: microseconds (0-1000000, '
          'default 0)', '    """spin_us: microseconds (0 to 1000000, default 0)'),
@@ -97,7 +97,7 @@ def test_a_changed_docstring_makes_the_page_stale(tmp_path, capsys):
 
 def test_a_field_or_key_without_a_docstring_is_refused(tmp_path):
     root = copy_sources(tmp_path)
-    config = root / "vllm/afd/config.py"
+    config = root / "vllm/afd/adapter/config.py"
     text = config.read_text()
     config.write_text(text.replace('    """Port of the FFN server\'s rendezvous socket '
                                    '(1-65535)."""\n', "", 1))
@@ -207,8 +207,8 @@ def test_a_stale_name_is_found(line):
 
 @pytest.mark.parametrize("line", [
     "vllm.afd.attention.status", "vllm.afd.observability.metrics",
-    "vllm.afd.seams.distribution_version()", "vllm.afd.config.AFDConfig.",
-    "vllm.afd.__version__", "vllm.afd._C", "vllm/afd/ffn/http.py",
+    "vllm.afd.seams.distribution_version()", "vllm.afd.adapter.config.AFDConfig.",
+    "vllm.afd.__version__", "vllm.afd._C", "vllm/afd/adapter/ffn/http.py",
 ])
 def test_a_current_name_passes(line):
     assert stale_names({"doc.md": line}) == []

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from vllm.afd.config import AFDConfig
+from vllm.afd.adapter.config import AFDConfig
 from vllm.afd.topology import ffn_placement
 
 REPO = Path(__file__).resolve().parent.parent
@@ -129,8 +129,8 @@ def test_launch_specs_parse_and_plan(tmp_path, monkeypatch):
     """The README's and docs/launch's deployment specs are valid, the ones shown
     (README, docs/launch/README.md) are the files' text, and each plans onto two
     GPU nodes (or one CPU node)."""
-    from vllm.afd.launch import spec as spec_file
-    from vllm.afd.launch.plan import Node, make_plan
+    from vllm.afd.deploy.launch import spec as spec_file
+    from vllm.afd.deploy.launch.plan import Node, make_plan
 
     text = README.read_text()
     section = text[text.index("### Many machines"):]

@@ -6,7 +6,7 @@
     python tools/config_doc.py --check    # exit 1 when the page is stale
 
 Like vLLM's own config docs, the page is made from the attribute docstrings
-that also become `--afd-config`'s help: every field of vllm/afd/config.py's
+that also become `--afd-config`'s help: every field of vllm/afd/adapter/config.py's
 AFDConfig (name, type, default, docstring), then, per connector of the
 registry (vllm/afd/transport/connectors/registry.py), the
 connector_extra_config keys it reads (its class's `extra_config_keys` and the
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = "vllm/afd/config.py"
+CONFIG = "vllm/afd/adapter/config.py"
 REGISTRY = "vllm/afd/transport/connectors/registry.py"
 PAGE = "docs/configuration.md"
 

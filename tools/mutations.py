@@ -59,7 +59,7 @@ MUTATIONS = [
     Mutation(
         "ffn-output-not-copied-back",
         "the remote-FFN op writes the FFN's output into the layer's output tensor",
-        "installed", "vllm/afd/model/remote_ffn.py",
+        "installed", "vllm/afd/adapter/model/remote_ffn.py",
         (Edit("    _exchange(hidden_states, output, layer_idx)\n",
               "    _exchange(hidden_states, None, layer_idx)\n"),),
         ("tests/afd/test_graph_rules.py::"
@@ -67,7 +67,7 @@ MUTATIONS = [
     Mutation(
         "micro-batch-rows-swapped",
         "micro-batches' hidden states come back in their rows' order",
-        "installed", "vllm/afd/attention/runner.py",
+        "installed", "vllm/afd/adapter/attention/runner.py",
         (Edit("    return torch.cat(results, dim=0)\n",
               "    return torch.cat(results[::-1], dim=0)\n"),),
         ("tests/afd/test_oracle.py::test_micro_batches_match_plain",)),
@@ -118,7 +118,7 @@ MUTATIONS = [
     Mutation(
         "cpu-kernels-not-loaded",
         "on the CPU flavor, calibration times vLLM's own MoE kernel",
-        "installed", "vllm/afd/planner/calibrate.py",
+        "installed", "vllm/afd/deploy/planner/calibrate.py",
         (Edit("            current_platform.import_kernels()\n            return True\n",
               "            return False\n"),),
         ("tests/afd/test_planner.py::test_calibration_times_vllms_own_moe_kernel",)),

@@ -58,14 +58,15 @@ def engine_cli_args(model, dtype: str = "float32") -> list[str]:
 
 def kernel_report(worker) -> dict:
     """The kernels a worker's layers run (plain or either AFD role: attention
-    backends and ISAs, linear kernels, MoE experts), by vllm/afd/model/kernels.py.
+    backends and ISAs, linear kernels, MoE experts), by vllm/afd/adapter/model/kernel_paths.py.
     Run in the worker through collective_rpc (the engines here are in-process);
     the module is loaded from its file, which imports only torch, so stock vLLM
     (the stock reference, whose `vllm` has no `afd`) reports its kernels too."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "vllm" / "afd" / "model" / "kernels.py"
+    path = (Path(__file__).resolve().parent.parent / "vllm" / "afd" / "adapter" / "model"
+            / "kernel_paths.py")
     spec = importlib.util.spec_from_file_location("afd_kernel_report", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -139,7 +140,7 @@ def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int
                      "afd": hasattr(llm.llm_engine.vllm_config, "afd_config")},
             "dummy_runs": (link or {}).get("dummy_runs"),
             "attention_backends": kernels and kernels["attention_backends"],
-            # this engine's kernels (model/kernels.py), and the in-process FFN role's
+            # this engine's kernels (adapter/model/kernel_paths.py), and the in-process FFN role's
             "kernels": kernels, "ffn_kernels": ffn_kernels,
             "ubatches": (link or {}).get("ubatches"),
             "dtype": str(llm.llm_engine.vllm_config.model_config.dtype),
@@ -310,7 +311,7 @@ def loopback_config(gate_on: str) -> str:
 def is_moe(model: str) -> bool:
     from pathlib import Path
 
-    from vllm.afd.model.families import family_of
+    from vllm.afd.adapter.model.families import family_of
 
     config = json.loads((Path(model) / "config.json").read_text())
     family = family_of(config["architectures"])
@@ -343,7 +344,7 @@ def release_engine() -> None:
     from vllm.distributed import cleanup_dist_env_and_memory
 
     try:  # vllm-afd's; stock vLLM (the stock reference) has none
-        from vllm.afd.attention.runner import close_link
+        from vllm.afd.adapter.attention.runner import close_link
     except ImportError:
         close_link = None
     if close_link is not None:
@@ -355,7 +356,7 @@ def release_engine() -> None:
 def start_inprocess_ffn(llm_kwargs: dict):
     """The FFN role in this process (uniprocessor executor): the loopback
     connector's two ends must share a process."""
-    from vllm.afd.ffn.engine import FFNEngine
+    from vllm.afd.adapter.ffn.engine import FFNEngine
     from vllm.engine.arg_utils import EngineArgs
 
     kwargs = dict(llm_kwargs, afd_role="ffn", distributed_executor_backend="uni")

@@ -51,8 +51,8 @@ import threading
 from pathlib import Path
 
 PRELOAD = ("torch", "vllm", "vllm.entrypoints.llm", "vllm.entrypoints.cli.main",
-           "vllm.entrypoints.openai.api_server", "vllm.afd.ffn.engine",
-           "vllm.afd.attention.runner")
+           "vllm.entrypoints.openai.api_server", "vllm.afd.adapter.ffn.engine",
+           "vllm.afd.adapter.attention.runner")
 # Variables read while the modules above import (or by libraries they load):
 # a request whose value differs runs as a plain subprocess.
 IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_",

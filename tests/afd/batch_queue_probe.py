@@ -128,7 +128,7 @@ def main() -> None:
                 break
             time.sleep(1)
         report.update(after=after, attempts=attempts, back_s=time.monotonic() - t0)
-        from vllm.afd.attention import runner as link  # the engine runs in this process
+        from vllm.afd.adapter.attention import runner as link  # the engine runs in this process
 
         report["link"] = link._link.document()
     finally:

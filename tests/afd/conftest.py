@@ -20,7 +20,7 @@ def shm_link(monkeypatch):
     """An attention link and an FFN loop (mlp: h * 2 + layer, layers 0 and 1)
     over shm, the link installed as this process's (what RemoteFFN and the
     runner seams use)."""
-    from vllm.afd.attention import runner
+    from vllm.afd.adapter.attention import runner
 
     port = free_port()
     loop = FFNLoop(LinkConfig(role="ffn", port=port, timeout_s=10), layers=[0, 1],

@@ -38,7 +38,7 @@ def test_batch_queue_path_survives_a_lost_ffn(models_dir, tmp_path):
     step_fn = report["step_fn"]
     assert step_fn["batch_queue"] and step_fn["wraps"] == "counted", step_fn
     assert step_fn["code"] == "guarded" and step_fn["file"].endswith(
-        "afd/attention/failover.py"), step_fn
+        "afd/adapter/attention/failover.py"), step_fn
     assert report["batch_queue_steps"] > 0
     assert_same(plain, {"results": report["before"]})
     # FFN killed with requests in flight: every request finishes with an error,

@@ -8,7 +8,7 @@ import pytest
 
 import preload
 
-from vllm.afd.config import AFDConfig
+from vllm.afd.adapter.config import AFDConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -156,7 +156,7 @@ def test_llm_kwargs_reach_engine_args():
 def test_model_fingerprint_of_a_real_engine_config():
     """model_fingerprint reads what a real VllmConfig has (test_handshake.py
     covers the items with a stand-in)."""
-    from vllm.afd.model.fingerprint import model_fingerprint
+    from vllm.afd.adapter.model.fingerprint import model_fingerprint
 
     fp = model_fingerprint(parse("--dtype", "float32").create_engine_config())
     assert fp["architecture"] == "Qwen3MoeForCausalLM" and fp["dtype"] == "float32"
@@ -232,3 +232,24 @@ def test_secret_set_twice_or_empty_is_refused(tmp_path, monkeypatch):
     assert (cfg.token_file, cfg.allow_insecure) == (str(token), True)
     # Neither changes the computation graph.
     assert cfg.compute_hash() == AFDConfig().compute_hash()
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"port": 0}, "port: 0 is not in 1-65535"),
+    ({"num_ffn_ranks": 0}, "num_ffn_ranks: must be >= 1, got 0"),
+    ({"num_ubatches": 9}, "num_ubatches: 9 is not in 1-4"),
+    ({"timeout_s": 0}, "timeout_s: must be > 0, got 0"),
+    ({"ffn_hosts": ["a", "b"]}, "ffn_hosts: 2 addresses for 1 FFN ranks (num_ffn_ranks)"),
+    ({"ffn_hosts": [""]}, "ffn_hosts: an address must not be empty"),
+    ({"ffn_pool": ["no-port"]}, "ffn_pool: 'no-port' is not host:port"),
+])
+def test_the_link_fields_are_checked_once_for_both_configs(changes, message):
+    """AFDConfig (the user's) and LinkConfig (the data plane's, which the
+    harness builds directly) refuse the fields they share alike, naming
+    themselves: one set of checks (transport/config.py check_link_fields)."""
+    from vllm.afd.transport.config import LinkConfig
+
+    for cls in (AFDConfig, LinkConfig):
+        with pytest.raises(ValueError) as refused:
+            cls(role="attention", **changes)
+        assert f"{cls.__name__}.{message}" in str(refused.value), (cls, str(refused.value))

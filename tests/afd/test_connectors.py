@@ -17,7 +17,7 @@ import torch
 
 from vllm.afd.transport import wire
 from servers import free_port  # noqa: F401  (race-free; other test modules import it from here)
-from vllm.afd.config import AFDConfig
+from vllm.afd.adapter.config import AFDConfig
 from vllm.afd.transport.connectors import (
     AFDConnectionError,
     AFDTimeoutError,

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from vllm.afd.config import AFDConfig
+from vllm.afd.adapter.config import AFDConfig
 from vllm.afd.transport import doorbell
 from vllm.afd.transport.connectors import AFDConnectionError, create_connector
 from vllm.afd.transport.wire import StepHeader

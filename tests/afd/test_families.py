@@ -32,7 +32,7 @@ import pytest
 from servers import free_port
 from stock import STOCK_DIFFERS
 
-from vllm.afd.model.families import (
+from vllm.afd.adapter.model.families import (
     FFN_ATTRS, REFUSED, SUPPORTED, UnsupportedModelError, check_model)
 from helpers.families import ELSEWHERE, HYBRID, MATRIX, check_family, check_routed, check_stock_difference, reference, run_against_stock, run_matrix
 from helpers.oracle import assert_micro_batched, assert_same, ffn_server, ffn_stats, run_oracle

@@ -11,7 +11,7 @@ allow; AMD and AVX2 hosts keep oneDNN and the vector kernels. So this module is
 the family matrix that proves AFD on each CPU kind's own kernels: every
 supported architecture's checkpoint (helpers.families.MATRIX and ELSEWHERE)
 through plain vLLM and AFD (loopback, one process for all), token-exact with
-logprobs within 1e-5; the two AFD roles' kernels (vllm/afd/model/kernels.py)
+logprobs within 1e-5; the two AFD roles' kernels (vllm/afd/adapter/model/kernel_paths.py)
 together those plain vLLM ran (as in float32); and the AMX kernels really ran on an AMX host,
 and none elsewhere. The hybrid families (helpers.families.HYBRID: Gated DeltaNet
 layers, whose CPU kernel takes bf16 only) are here alone, in a process of their
@@ -30,7 +30,7 @@ from selection import selected
 from servers import free_port
 from stock import STOCK_DIFFERS
 
-from vllm.afd.model.families import SUPPORTED
+from vllm.afd.adapter.model.families import SUPPORTED
 from helpers.families import ELSEWHERE, HYBRID, MATRIX, check_family, check_routed, check_stock_difference, reference, run_against_stock, run_matrix
 from helpers.oracle import assert_micro_batched, assert_same, ffn_server, ffn_stats, run_oracle
 

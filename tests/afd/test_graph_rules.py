@@ -26,7 +26,7 @@ HIDDEN = 32  # shm_link's hidden size (tests/afd/conftest.py)
 
 
 def test_remote_ffn_op_mutates_its_output_and_allocates_nothing(shm_link):
-    from vllm.afd.model.remote_ffn import _afd_remote_ffn
+    from vllm.afd.adapter.model.remote_ffn import _afd_remote_ffn
 
     schema = torch.ops.vllm.afd_remote_ffn.default._schema
     output_arg = schema.arguments[1]
@@ -46,7 +46,7 @@ def test_remote_ffn_op_mutates_its_output_and_allocates_nothing(shm_link):
 
 
 def remote_ffns(mode) -> list:
-    from vllm.afd.model.remote_ffn import RemoteFFN
+    from vllm.afd.adapter.model.remote_ffn import RemoteFFN
 
     # The fixture installed the process's link: the config is read for its
     # compilation mode only.
@@ -202,7 +202,7 @@ CUDA_CONFIG = textwrap.dedent('''
     from vllm.platforms.interface import DeviceCapability
     platforms._current_platform = CudaPlatform()
     CudaPlatform.get_device_capability = classmethod(lambda c, device_id=0: DeviceCapability(9, 0))
-    from vllm.afd.config import AFDConfig
+    from vllm.afd.adapter.config import AFDConfig
     from vllm.config import CompilationConfig, VllmConfig
     results = []
     for afd, compilation in cases:
@@ -290,7 +290,7 @@ def test_ffn_role_does_not_ask_for_the_kv_cache_budget():
     holds half of: the attention role (upstream's check) is refused, the FFN
     role (no KV cache) starts."""
     import vllm.afd.seams as seams
-    from vllm.afd.config import AFDConfig
+    from vllm.afd.adapter.config import AFDConfig
 
     snapshot = SimpleNamespace(total_memory=80 << 30, free_memory=40 << 30, device_="cuda:0")
     cache = SimpleNamespace(gpu_memory_utilization=0.9)

@@ -24,8 +24,8 @@ import preload
 from transformers import AutoConfig
 
 from vllm.afd.transport import auth, doorbell, wire
-from vllm.afd.model import fingerprint
-from vllm.afd.config import AFDConfig
+from vllm.afd.adapter.model import fingerprint
+from vllm.afd.adapter.config import AFDConfig
 from vllm.afd.transport.connectors import (AFDConnectionError, ProtocolError, create_connector)
 from vllm.afd.transport.connectors.shm import ShmHandshake
 from vllm.afd.transport.handshake import REFUSALS_KEPT
@@ -103,7 +103,7 @@ def test_fingerprint_items(deepseek, models_dir):
     assert fp == fingerprint.model_fingerprint(model_config_of(deepseek))
     assert fingerprint._digest_files.cache_info().misses == 1
     other = preload.run(
-        [sys.executable, "-c", "import json, sys; from vllm.afd.model import fingerprint; "
+        [sys.executable, "-c", "import json, sys; from vllm.afd.adapter.model import fingerprint; "
          "print(json.dumps(fingerprint.weights_digest(sys.argv[1])))", str(deepseek)],
         capture_output=True, text=True, timeout=120)
     assert other.returncode == 0, other.stderr[-2000:]

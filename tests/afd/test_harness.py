@@ -63,7 +63,7 @@ def test_data_plane_imports_nothing_from_vllm(data_plane_tree):
     outside = [m for m in loaded if m != "vllm" and not m.startswith("vllm.afd")]
     assert outside == [], outside
     # And the tree really has no vLLM: the adapter cannot be imported there.
-    proc = run_in(data_plane_tree, "-c", "import vllm.afd.seams, vllm.afd.attention.runner")
+    proc = run_in(data_plane_tree, "-c", "import vllm.afd.seams, vllm.afd.adapter.attention.runner")
     assert proc.returncode != 0 and "vllm.forward_context" in proc.stderr, proc.stderr[-500:]
 
 

@@ -25,26 +25,29 @@ def module_names(root: Path, package: str) -> dict[str, Path]:
     return names
 
 
+def imports_of(name: str, path: Path) -> set[str]:
+    """Every dotted name module `name` (at path) imports, at module level or in
+    a function: `from package import name` gives package and package.name."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                source = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            found.update([source, *(f"{source}.{alias.name}" for alias in node.names)])
+    return found
+
+
 def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
     """Module -> the modules of `modules` it imports (a package's __init__ for
     `from package import name`, and the submodule when name is one)."""
-    graph: dict[str, set[str]] = {name: set() for name in modules}
-    for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
-                    source = ".".join(parts + ([node.module] if node.module else []))
-                else:
-                    source = node.module or ""
-                targets = [source, *(f"{source}.{alias.name}" for alias in node.names)]
-            else:
-                continue
-            graph[name].update(t for t in targets if t in modules and t != name)
-    return graph
+    return {name: {t for t in imports_of(name, path) if t in modules and t != name}
+            for name, path in modules.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -91,6 +94,29 @@ def test_vllm_afd_has_no_import_cycle():
 def test_nothing_in_vllm_afd_imports_the_seams():
     graph = import_graph(module_names(ROOT, "vllm/afd"))
     assert sorted(m for m, deps in graph.items() if "vllm.afd.seams" in deps) == []
+
+
+# The halves of docs/architecture.md as folders: the engine adapter (everything
+# that imports vLLM), the deployment tools, and the rest, the data plane.
+APART = ("vllm.afd.adapter", "vllm.afd.deploy", "vllm.afd.seams")
+
+
+def within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def test_the_data_plane_imports_nothing_from_vllm_the_adapter_or_the_tools():
+    """Outside adapter/, deploy/ and seams.py nothing imports vLLM (vllm.afd
+    aside), the adapter or the deployment tools: the data plane stands alone
+    (a transport can be tested, benchmarked and run without vLLM)."""
+    modules = module_names(ROOT, "vllm/afd")
+    data_plane = {n: p for n, p in modules.items() if not within(n, APART)}
+    assert "vllm.afd.attention.link" in data_plane and "vllm.afd.ffn.loop" in data_plane
+    found = sorted(f"{name} imports {target}" for name, path in data_plane.items()
+                   for target in imports_of(name, path)
+                   if (target == "vllm" or target.startswith("vllm."))
+                   and (not within(target, ("vllm.afd",)) or within(target, APART)))
+    assert found == []
 
 
 def test_a_cycle_through_a_lazy_import_is_found(tmp_path):

@@ -32,8 +32,8 @@ import preload
 from servers import cpu, free_port, http_get, status_dirs_left
 from oracle import engine_cli_args
 
-from vllm.afd.launch import spec as spec_file
-from vllm.afd.launch.plan import Node, describe, make_plan
+from vllm.afd.deploy.launch import spec as spec_file
+from vllm.afd.deploy.launch.plan import Node, describe, make_plan
 from helpers.oracle import plain_result
 
 MODEL = "tiny-qwen3-moe"
@@ -119,7 +119,7 @@ def test_bad_specs_name_the_field(models_dir, change, message):
 
 def test_the_command_refuses_a_bad_spec_before_starting(models_dir, tmp_path, capsys):
     # No Ray cluster answers at 127.0.0.1:1: the spec is refused before any connection.
-    from vllm.afd.commands import main
+    from vllm.afd.deploy.commands import main
 
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(base_spec(models_dir, attention={"servers": 0})))
@@ -182,7 +182,7 @@ def test_plan_places_ranks_ports_and_hosts(models_dir, monkeypatch):
 
 # ------------------------------------------------------------ on local Ray
 class Launch:
-    """`python -m vllm.afd.launch SPEC` with its output read line by line."""
+    """`python -m vllm.afd.deploy.launch SPEC` with its output read line by line."""
 
     def __init__(self, spec: dict, tmp_path: Path, address: str, env: dict | None = None):
         self.path = tmp_path / f"{spec['name']}.yaml"
@@ -190,7 +190,7 @@ class Launch:
         self.lines: list[tuple[float, str]] = []
         self._queue: queue.Queue = queue.Queue()
         self.proc = preload.popen(
-            [sys.executable, "-m", "vllm.afd.launch", str(self.path), "--address", address,
+            [sys.executable, "-m", "vllm.afd.deploy.launch", str(self.path), "--address", address,
              "--log-dir", str(tmp_path / "logs")],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=dict(os.environ, **(env or {})), start_new_session=True)
@@ -308,7 +308,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(models_dir, tmp_path, ray_he
     spec = base_spec(models_dir, attention={"servers": 2})
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec))
-    proc = preload.run([sys.executable, "-m", "vllm.afd.launch", str(path), "--address",
+    proc = preload.run([sys.executable, "-m", "vllm.afd.deploy.launch", str(path), "--address",
                         ray_head.address, "--dry-run"], capture_output=True, text=True,
                        timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -374,7 +374,7 @@ def assert_secret_demanded(attention_pid: int) -> None:
     that server's AFD configuration but without its secret, at authentication."""
     import torch
 
-    from vllm.afd.config import AFDConfig
+    from vllm.afd.adapter.config import AFDConfig
     from vllm.afd.transport.connectors import ProtocolError, create_connector
 
     argv = Path(f"/proc/{attention_pid}/cmdline").read_bytes().decode().split("\0")

@@ -104,7 +104,7 @@ def test_roles_split_the_checkpoint(models_dir, model_name, gate_on):
     ("model.layers.0.self_attn.q_proj.weight", False),
 ])
 def test_the_router_tensors_the_attention_role_reads(name, router):
-    from vllm.afd.model import split
+    from vllm.afd.adapter.model import split
 
     assert (split._GATE_NAME.search(name) is not None) == router
 
@@ -116,8 +116,8 @@ def test_a_router_the_checkpoint_left_unread_is_an_error():
     import torch
     from torch import nn
 
-    from vllm.afd.model import split
-    from vllm.afd.model.remote_ffn import RemoteFFN
+    from vllm.afd.adapter.model import split
+    from vllm.afd.adapter.model.remote_ffn import RemoteFFN
 
     remote = RemoteFFN.__new__(RemoteFFN)  # no link: only the loading rule runs
     nn.Module.__init__(remote)

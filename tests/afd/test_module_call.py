@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""model/module_call.py: a module called through call_module behaves as
+"""adapter/model/module_call.py: a module called through call_module behaves as
 module(...) does: every kind of hook runs, a compiled module runs compiled.
 (That it skips nn.Module.__call__ otherwise is a cost, measured by
 `make bench-layer-call`'s `model` rows, not asserted here.)"""
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
 
-from vllm.afd.model.module_call import call_module
+from vllm.afd.adapter.model.module_call import call_module
 
 
 class Double(nn.Module):

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from vllm.afd.config import AFDConfig
+from vllm.afd.adapter.config import AFDConfig
 from vllm.afd.kernels import ops
 from vllm.afd.transport import wire
 from vllm.afd.transport.connectors import create_connector

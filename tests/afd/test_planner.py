@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from vllm.afd.planner import benchcheck, cost, pipeline
-from vllm.afd.planner.calibrate import fit_link
-from vllm.afd.planner.hardware import EngineTable, Link, builtin_names, load_hardware
-from vllm.afd.planner.model import PRESETS, from_hf_config, load_model, transfer_bytes_per_token
-from vllm.afd.planner.search import REGIMES, evaluate, search
+from vllm.afd.deploy.planner import benchcheck, cost, pipeline
+from vllm.afd.deploy.planner.calibrate import fit_link
+from vllm.afd.deploy.planner.hardware import EngineTable, Link, builtin_names, load_hardware
+from vllm.afd.deploy.planner.model import PRESETS, from_hf_config, load_model, transfer_bytes_per_token
+from vllm.afd.deploy.planner.search import REGIMES, evaluate, search
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH_JSON = REPO / "benchmarks/results/afd_vs_colocated.json"
@@ -163,7 +163,7 @@ def test_profiles_ship_in_the_wheel():
     ns: dict = {"__file__": str(REPO / "setup.py"), "__name__": "setup_probe"}
     exec(compile(header + body, "setup.py", "exec"), ns)  # noqa: S102 - our own file
     _, data = ns["packages_and_data"]()
-    assert REQUIRED <= {Path(f).stem for f in data["vllm.afd.planner.profiles"]}
+    assert REQUIRED <= {Path(f).stem for f in data["vllm.afd.deploy.planner.profiles"]}
 
 
 # ------------------------------------------------------------------ search
@@ -201,7 +201,7 @@ def test_expert_weight_reads_grow_when_the_batch_splits():
 
 
 def test_plan_command_json_and_plot(tmp_path, capsys):
-    from vllm.afd.commands import main
+    from vllm.afd.deploy.commands import main
 
     assert main(["plan", "--model", "bench-qwen3-moe", "--hardware", "h100", "--json",
                  "--top", "3"]) == 0
@@ -253,7 +253,7 @@ def test_calibrate_measures_the_link_in_steps():
     """calibrate's link: a real shm echo on two processes, timed in steps of a
     header and LINK_LAYERS layer calls (the bench's transfer floor): a round trip
     per payload size and the header's own time."""
-    from vllm.afd.planner import calibrate
+    from vllm.afd.deploy.planner import calibrate
 
     cores = sorted(os.sched_getaffinity(0))
     for _ in range(2):
@@ -339,7 +339,7 @@ def test_the_engine_probe_times_a_models_layers_in_plain_vllm(models_dir):
     With attention_alone (an AFD attention core's table) the attention half
     comes from passes where every mlp is an identity, which cost a fraction of
     the real mlps."""
-    from vllm.afd.planner import engine_probe
+    from vllm.afd.deploy.planner import engine_probe
 
     model = models_dir / "tiny-qwen3-moe"
     table = engine_probe.run(str(model), [0], [1, 16], steps=6, attention_alone=True)
@@ -356,7 +356,7 @@ def test_the_engine_probe_keeps_the_median_pass():
     """`make bench` reports medians; the probe's table keeps each batch size's
     median pass (by its whole step), not its fastest, which leans to a VM's
     fast phases."""
-    from vllm.afd.planner.engine_probe import PASSES, median_pass
+    from vllm.afd.deploy.planner.engine_probe import PASSES, median_pass
 
     assert PASSES >= 3  # a median of two is the faster one
     slow, fast, typical = (3e-3, 2e-3, 9e-3), (1e-3, 1e-3, 5e-3), (2e-3, 1.5e-3, 6e-3)
@@ -366,7 +366,7 @@ def test_the_engine_probe_keeps_the_median_pass():
 
 CALIBRATE_MOE = """
 import json
-from vllm.afd.planner import calibrate
+from vllm.afd.deploy.planner import calibrate
 kernel = calibrate.vllm_moe_kernel()
 print(json.dumps(None if kernel is None else calibrate.moe_flops(1, kernel)))
 """
@@ -422,7 +422,7 @@ CALIBRATE_DENSE = """
 import json
 import torch
 from vllm import _custom_ops
-from vllm.afd.planner import calibrate
+from vllm.afd.deploy.planner import calibrate
 ops = calibrate.vllm_dense_gemm()
 rates = calibrate.dense_flops(1, ops) if ops is not None else None
 # What vLLM's own dispatch finds here: oneDNN built, and a bf16 matmul it can create.
@@ -482,7 +482,7 @@ def test_profile_and_bench_of_one_model_name_but_another_cpu_do_not_compare(fiel
 
 
 def test_the_cpu_generation_is_read_from_cpuinfo():
-    from vllm.afd.planner import calibrate
+    from vllm.afd.deploy.planner import calibrate
 
     cpuinfo = Path("/proc/cpuinfo")
     if not (cpuinfo.is_file() and "cpu family" in cpuinfo.read_text()):

@@ -220,7 +220,7 @@ def test_a_pool_file_being_rewritten_closes_nobody(tmp_path):
 
 
 def test_pool_configuration_errors():
-    from vllm.afd.config import AFDConfig
+    from vllm.afd.adapter.config import AFDConfig
 
     for pool, message in ((["localhost"], "not host:port"),
                           (["127.0.0.1:70000"], "not host:port"),

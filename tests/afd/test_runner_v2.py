@@ -45,7 +45,7 @@ from servers import cpu, free_port
 from stock import STOCK_DIFFERS, stock_site
 
 import vllm.afd.seams as afd_seams
-from vllm.afd.attention import runner
+from vllm.afd.adapter.attention import runner
 from vllm.afd.attention.ubatch_rule import UbatchRule
 from helpers.families import check_routed
 from helpers.oracle import COMMON, ORACLE, assert_micro_batched, assert_routing, assert_same, ffn_server, ffn_stats, run_oracle
@@ -329,7 +329,7 @@ def test_without_afd_the_seams_pass_through(shm_link):
 
 
 def test_afd_micro_batch_runner_splits_real_steps_only():
-    from vllm.afd.attention.ubatches_v2 import AFDUBatchRunner
+    from vllm.afd.adapter.attention.ubatches_v2 import AFDUBatchRunner
 
     r = _runner(num_ubatches=2)
     ubatches = object.__new__(AFDUBatchRunner)  # the split needs none of V2's buffers

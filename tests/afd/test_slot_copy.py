@@ -11,7 +11,7 @@ import socket
 import pytest
 import torch
 
-from vllm.afd.config import AFDConfig
+from vllm.afd.adapter.config import AFDConfig
 from vllm.afd.transport import doorbell
 from vllm.afd.transport.connectors import create_connector
 from vllm.afd.transport.connectors.prepared import frame_template

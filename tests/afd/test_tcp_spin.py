@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from vllm.afd.config import AFDConfig
+from vllm.afd.adapter.config import AFDConfig
 from vllm.afd.transport.connectors import AFDConnectionError, create_connector
 from vllm.afd.transport.connectors.tcp import MAGIC, PREFIX, SocketLink
 from vllm.afd.transport.wire import StepHeader

@@ -36,7 +36,7 @@ from servers import Server, cpu, free_port
 from oracle import PROMPTS
 
 from vllm.afd.ffn.batcher import LayerBatcher
-from vllm.afd.config import AFDConfig
+from vllm.afd.adapter.config import AFDConfig
 from vllm.afd.topology import AFDLayoutError, ffn_placement
 from vllm.afd.transport.wire import Routing
 from helpers.fp8 import reference_dequantize, reference_quantize
@@ -173,7 +173,7 @@ def test_one_attention_two_ffn_ranks(models_dir, tmp_path, parallel, request):
         if parallel == "ep":
             assert_ray_actors(ray_head, pids, "RayWorkerProc")
             # Each actor process started with its worker's OpenMP binding and
-            # the preloaded libgomp, as mp gives a worker process (ray_cpu.py).
+            # the preloaded libgomp, as mp gives a worker process (adapter/upstream_fixes/ray_cpu.py).
             for pid, cpus in zip(pids, (cpu(0), cpu(1))):
                 environ = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ")
                                .read_text().split("\0") if "=" in v)
@@ -425,9 +425,9 @@ def test_batcher_window_bounds_the_wait_for_a_slow_peer():
 
 
 def test_ray_seams_keep_upstream_values_off_the_cpu():
-    """vllm/afd/ray_cpu.py changes RayExecutorV2 only for the CPU key: on GPUs
+    """vllm/afd/adapter/upstream_fixes/ray_cpu.py changes RayExecutorV2 only for the CPU key: on GPUs
     (never run here) every seam hands back upstream's own value."""
-    from vllm.afd import ray_cpu
+    from vllm.afd.adapter.upstream_fixes import ray_cpu
 
     upstream = {"num_gpus": 0, "resources": {"TPU": 1}}
     assert ray_cpu.actor_resources("TPU", upstream) is upstream

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""Micro-batch splitting and the ping-pong turn ring (vllm/afd/attention/runner.py,
+"""Micro-batch splitting and the ping-pong turn ring (vllm/afd/adapter/attention/runner.py,
 vllm/afd/attention/pingpong.py).
 
 The end-to-end proof (identical tokens with m = 2, 3, 4, eager and compiled)
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from vllm.afd.attention.pingpong import PingPong
-from vllm.afd.attention.runner import maybe_ubatch_slices, split_tokens
+from vllm.afd.adapter.attention.runner import maybe_ubatch_slices, split_tokens
 
 
 @pytest.mark.parametrize("tokens, m", [([1] * 32, 2), ([5, 1, 1, 30], 3), ([64], 4),

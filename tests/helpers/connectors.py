@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 
 from servers import free_port  # noqa: F401  (race-free; the tests import it from here)
-from vllm.afd.config import AFDConfig
+from vllm.afd.adapter.config import AFDConfig
 from vllm.afd.transport import wire
 from vllm.afd.transport.connectors import create_connector
 from vllm.afd.transport.connectors.tcp import MAGIC, PREFIX

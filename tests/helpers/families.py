@@ -113,7 +113,7 @@ def check_family(models_dir: Path, matrix: Path, name: str) -> tuple[dict, dict]
     assert_micro_batched(afd, model, 1)  # every layer went to the FFN engine
     # Not a degenerate checkpoint: the prompts get different continuations.
     assert len({tuple(r["token_ids"]) for r in plain["results"]}) >= 5
-    # The split engines picked what plain vLLM picked (model/kernels.py): the
+    # The split engines picked what plain vLLM picked (adapter/model/kernel_paths.py): the
     # attention role runs every attention layer, the FFN role every MoE layer,
     # and the two roles' linears add up to plain vLLM's.
     kp, ka, kf = plain["kernels"], afd["kernels"], afd["ffn_kernels"]

@@ -11,7 +11,7 @@ import torch
 from helpers.connectors import HIDDEN, Background, free_port
 from helpers.devices import DeferredOps
 from vllm.afd.attention.link import AttentionLink
-from vllm.afd.config import AFDConfig
+from vllm.afd.adapter.config import AFDConfig
 from vllm.afd.ffn.loop import FFNLoop
 from vllm.afd.topology import FFNPlacement
 from vllm.afd.transport.config import LinkConfig

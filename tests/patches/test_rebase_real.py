@@ -33,8 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 # The patched modules that hold Model Runner V2's seams, and AFD's V2 adapter
 # (it imports V2's micro-batch helpers).
 V2_SEAMS = ["vllm.config.vllm", "vllm.v1.worker.gpu.attn_utils",
-            "vllm.v1.worker.gpu.model_runner", "vllm.afd.attention.runner_v2",
-            "vllm.afd.attention.ubatches_v2"]
+            "vllm.v1.worker.gpu.model_runner", "vllm.afd.adapter.attention.runner_v2",
+            "vllm.afd.adapter.attention.ubatches_v2"]
 
 
 # `make test`: the release the series waits for; `make test-full`: the one between too

@@ -37,11 +37,11 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # Classes a patch names at import time, imported when first asked for.
     if name == "AFDConfig":
-        from vllm.afd.config import AFDConfig
+        from vllm.afd.adapter.config import AFDConfig
 
         return AFDConfig
     if name == "AFDWorkerMixin":
-        from vllm.afd.worker import AFDWorkerMixin
+        from vllm.afd.adapter.worker import AFDWorkerMixin
 
         return AFDWorkerMixin
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -53,22 +53,22 @@ def _afd(vllm_config) -> Any:
 
 # ----------------------------------------------------------------- config, CLI
 def add_afd_cli_args(parser) -> None:
-    from vllm.afd.cli import add_afd_cli_args as add
+    from vllm.afd.adapter.cli import add_afd_cli_args as add
 
     add(parser)
 
 
 def afd_config_from_cli(afd_config, afd_role, additional_config):
-    from vllm.afd.config import AFDConfig
+    from vllm.afd.adapter.config import AFDConfig
 
     return AFDConfig.from_cli(afd_config, afd_role, additional_config)
 
 
 def check_vllm_config(vllm_config) -> None:
     """Start of VllmConfig.__post_init__: refuse, naming the option, what
-    cannot work with AFD (vllm/afd/compat.py)."""
+    cannot work with AFD (vllm/afd/adapter/compat.py)."""
     if _afd(vllm_config) is not None:
-        from vllm.afd.compat import check_vllm_config as check
+        from vllm.afd.adapter.compat import check_vllm_config as check
 
         check(vllm_config)
 
@@ -76,29 +76,29 @@ def check_vllm_config(vllm_config) -> None:
 def resolve_compilation(vllm_config) -> None:
     """After vLLM chose its splitting ops: the remote FFN op splits the graph
     on the attention role, and FULL graphs are lowered for connectors that
-    cannot be captured (vllm/afd/compat.py)."""
+    cannot be captured (vllm/afd/adapter/compat.py)."""
     if _afd(vllm_config) is not None:
-        from vllm.afd.compat import resolve_compilation as resolve
+        from vllm.afd.adapter.compat import resolve_compilation as resolve
 
         resolve(vllm_config)
 
 
 # ------------------------------------------------------------------ the model
 def build_model(vllm_config, construct):
-    from vllm.afd.model.split import build_model as build
+    from vllm.afd.adapter.model.split import build_model as build
 
     return build(vllm_config, construct)
 
 
 def filter_weights(model, weights):
-    from vllm.afd.model.split import filter_weights as filter_
+    from vllm.afd.adapter.model.split import filter_weights as filter_
 
     return filter_(model, weights)
 
 
 def begin_mlp(vllm_config=None):
     """None: the config being built (layers that are not handed it)."""
-    from vllm.afd.model.split import begin_mlp as begin
+    from vllm.afd.adapter.model.split import begin_mlp as begin
 
     return begin(vllm_config)
 
@@ -110,7 +110,7 @@ def is_ffn_engine(vllm_config) -> bool:
 
 
 def guard_step(engine_core, step):
-    from vllm.afd.attention.failover import guard_step as guard
+    from vllm.afd.adapter.attention.failover import guard_step as guard
 
     return guard(engine_core, step)
 
@@ -133,7 +133,7 @@ def request_memory(vllm_config, init_snapshot, cache_config, external_weight_mem
 
 # -------------------------------------------------------------------- runner
 def num_ubatches_for(vllm_config) -> int:
-    from vllm.afd.attention.runner import num_ubatches_for as count
+    from vllm.afd.adapter.attention.runner import num_ubatches_for as count
 
     return count(vllm_config)
 
@@ -142,7 +142,7 @@ def maybe_ubatch_slices(vllm_config, num_scheduled_tokens, num_tokens_padded,
                         num_reqs_padded, ubatch_slices, ubatch_slices_padded):
     if _afd(vllm_config) is None:
         return ubatch_slices, ubatch_slices_padded
-    from vllm.afd.attention.runner import maybe_ubatch_slices as split
+    from vllm.afd.adapter.attention.runner import maybe_ubatch_slices as split
 
     return split(vllm_config, num_scheduled_tokens, num_tokens_padded, num_reqs_padded,
                  ubatch_slices, ubatch_slices_padded)
@@ -151,7 +151,7 @@ def maybe_ubatch_slices(vllm_config, num_scheduled_tokens, num_tokens_padded,
 def model_forward(vllm_config, model, **kwargs):
     if _afd(vllm_config) is None:
         return model(**kwargs)
-    from vllm.afd.attention.runner import model_forward as forward
+    from vllm.afd.adapter.attention.runner import model_forward as forward
 
     return forward(vllm_config, model, **kwargs)
 
@@ -162,14 +162,14 @@ def dummy_step(vllm_config, is_profile: bool, is_graph_capturing: bool):
 
     if _afd(vllm_config) is None:
         return contextlib.nullcontext()
-    from vllm.afd.attention.runner import dummy_step as step
+    from vllm.afd.adapter.attention.runner import dummy_step as step
 
     return step(vllm_config, is_profile, is_graph_capturing)
 
 
 # ---------------------------------------------------------- runner (V2)
 # Model Runner V2 names its runs itself (execute_model's dummy_run/is_profile,
-# capture_model), so these seams pass its words on (attention/runner_v2.py).
+# capture_model), so these seams pass its words on (adapter/attention/runner_v2.py).
 def step_scope(execute_model):
     """Decorates V2's execute_model: the AFD step begun inside it (begin_step)
     ends with it, as failed when it raised."""
@@ -178,7 +178,7 @@ def step_scope(execute_model):
     def wrapper(runner, *args, **kwargs):
         if _afd(runner.vllm_config) is None:
             return execute_model(runner, *args, **kwargs)
-        from vllm.afd.attention.runner_v2 import in_step_scope
+        from vllm.afd.adapter.attention.runner_v2 import in_step_scope
 
         return in_step_scope(execute_model, runner, *args, **kwargs)
     return wrapper
@@ -191,7 +191,7 @@ def capture_scope(capture_model):
     def wrapper(runner, *args, **kwargs):
         if _afd(runner.vllm_config) is None:
             return capture_model(runner, *args, **kwargs)
-        from vllm.afd.attention.runner_v2 import in_capture_scope
+        from vllm.afd.adapter.attention.runner_v2 import in_capture_scope
 
         return in_capture_scope(capture_model, runner, *args, **kwargs)
     return wrapper
@@ -201,7 +201,7 @@ def begin_step(vllm_config, dummy_run: bool, is_profile: bool, input_batch,
                ubatch_state) -> None:
     """execute_model, just before the model runs: a real, profile or warm-up step."""
     if _afd(vllm_config) is not None:
-        from vllm.afd.attention.runner_v2 import begin_step as begin
+        from vllm.afd.adapter.attention.runner_v2 import begin_step as begin
 
         begin(vllm_config, dummy_run, is_profile, input_batch, ubatch_state)
 
@@ -210,7 +210,7 @@ def ubatch_runner(build_upstream, vllm_config, *args):
     """V2's micro-batch runner: AFD's (the FFN ping-pong) on an attention role
     with num_ubatches > 1, else upstream's builder's (DBO, or None)."""
     if _afd(vllm_config) is not None:
-        from vllm.afd.attention.runner_v2 import build_ubatch_runner
+        from vllm.afd.adapter.attention.runner_v2 import build_ubatch_runner
 
         runner = build_ubatch_runner(vllm_config, *args)
         if runner is not None:
@@ -222,59 +222,59 @@ def ubatched_step(vllm_config, ubatch_runner, input_batch, dummy_run: bool) -> b
     """Whether AFD splits this step into micro-batches (real steps only)."""
     if _afd(vllm_config) is None:
         return False
-    from vllm.afd.attention.runner_v2 import ubatched_step as split
+    from vllm.afd.adapter.attention.runner_v2 import ubatched_step as split
 
     return split(vllm_config, ubatch_runner, input_batch, dummy_run)
 
 
 # ------------------------------------------------------------------- serving
 def is_ffn_role(args) -> bool:
-    from vllm.afd.ffn.http import is_ffn_role as check
+    from vllm.afd.adapter.ffn.http import is_ffn_role as check
 
     return check(args)
 
 
 def run_ffn_server(args) -> None:
-    from vllm.afd.ffn.http import run_ffn_server as run
+    from vllm.afd.adapter.ffn.http import run_ffn_server as run
 
     run(args)
 
 
 def install_api(app, args) -> None:
-    from vllm.afd.attention.http import install
+    from vllm.afd.adapter.attention.http import install
 
     install(app, args)
 
 
 def raise_if_link_failed(request_id: str) -> None:
-    from vllm.afd.attention.failover import raise_if_link_failed as check
+    from vllm.afd.adapter.attention.failover import raise_if_link_failed as check
 
     check(request_id)
 
 
 # ------------------------------------------------------- Ray on the CPU platform
-# Not AFD-gated: upstream raises on these paths on the CPU (see ray_cpu.py), and
+# Not AFD-gated: upstream raises on these paths on the CPU (see adapter/upstream_fixes/ray_cpu.py), and
 # on every other platform each returns upstream's own value.
 def ray_actor_resources(device_key: str, upstream: dict) -> dict:
-    from vllm.afd.ray_cpu import actor_resources
+    from vllm.afd.adapter.upstream_fixes.ray_cpu import actor_resources
 
     return actor_resources(device_key, upstream)
 
 
 def ray_accelerator_ids(device_key: str) -> list:
-    from vllm.afd.ray_cpu import accelerator_ids
+    from vllm.afd.adapter.upstream_fixes.ray_cpu import accelerator_ids
 
     return accelerator_ids(device_key)
 
 
 def ray_worker_bundles(device_key: str, bundles: list, world_size: int) -> list:
-    from vllm.afd.ray_cpu import worker_bundles
+    from vllm.afd.adapter.upstream_fixes.ray_cpu import worker_bundles
 
     return worker_bundles(device_key, bundles, world_size)
 
 
 def ray_worker_runtime_envs(device_key: str, vllm_config, runtime_env: dict,
                             assignments: list) -> list:
-    from vllm.afd.ray_cpu import worker_runtime_envs
+    from vllm.afd.adapter.upstream_fixes.ray_cpu import worker_runtime_envs
 
     return worker_runtime_envs(device_key, vllm_config, runtime_env, assignments)

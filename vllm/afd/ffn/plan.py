@@ -25,7 +25,7 @@ A PlanChannel carries them from the lead to every follower: send() on the lead
 (thread-safe, the batcher serializes it), recv() on a follower (blocking; one
 receiving thread). QueueChannel does it in one process (tests, the harness);
 TorchDistChannel over a torch.distributed group (the vLLM worker adapter
-builds a dedicated gloo group for it, worker.py).
+builds a dedicated gloo group for it, adapter/worker.py).
 """
 
 import logging

@@ -4,9 +4,11 @@
 
 The data plane (transport, the attention link, the ping-pong scheduler, the FFN
 loop) imports nothing from vLLM, so it cannot take vLLM's config objects. The
-adapter turns the user-facing AFDConfig (vllm/afd/config.py) into this plain
+adapter turns the user-facing AFDConfig (vllm/afd/adapter/config.py) into this plain
 dataclass (AFDConfig.link_config()); the torch-only harness builds one directly.
-The field names are AFDConfig's, so their meaning is documented once, there.
+The field names are AFDConfig's, so their meaning is documented once, there;
+their checks are written once, here (check_link_fields, which AFDConfig runs
+too), and so are the properties a role implies (LinkRoles, AFDConfig's base).
 """
 
 from dataclasses import dataclass, field, fields
@@ -17,8 +19,32 @@ from vllm.afd.transport.wire import MAX_UBATCHES, TRANSFER_DTYPES
 ROLES = ("attention", "ffn")
 
 
+class LinkRoles:
+    """What a role's fields imply, for LinkConfig and AFDConfig alike (role,
+    transfer_to_ffn and transfer_to_attention: fields of one, properties of
+    the other)."""
+
+    @property
+    def is_attention(self) -> bool:
+        return self.role == "attention"
+
+    @property
+    def is_ffn(self) -> bool:
+        return self.role == "ffn"
+
+    @property
+    def send_transfer(self) -> str:
+        """How this role's payloads travel to its peer."""
+        return self.transfer_to_ffn if self.is_attention else self.transfer_to_attention
+
+    @property
+    def receive_transfer(self) -> str:
+        """How its peer's payloads travel to this role."""
+        return self.transfer_to_attention if self.is_attention else self.transfer_to_ffn
+
+
 @dataclass(frozen=True)
-class LinkConfig:
+class LinkConfig(LinkRoles):
     role: str = "attention"
     connector: str = "shm"
     host: str = "127.0.0.1"
@@ -38,26 +64,7 @@ class LinkConfig:
     transfer_to_attention: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"LinkConfig.role: {self.role!r} is not one of {ROLES}")
-        if not 1 <= self.port <= 65535:
-            raise ValueError(f"LinkConfig.port: {self.port} is not in 1-65535")
-        if self.num_attention_ranks < 1 or self.num_ffn_ranks < 1:
-            raise ValueError("LinkConfig: num_attention_ranks and num_ffn_ranks must be >= 1")
-        if self.ffn_hosts and len(self.ffn_hosts) != self.num_ffn_ranks:
-            raise ValueError(f"LinkConfig.ffn_hosts: {len(self.ffn_hosts)} addresses for "
-                             f"{self.num_ffn_ranks} FFN ranks")
-        for endpoint in self.ffn_pool:
-            parse_endpoint(endpoint, "LinkConfig.ffn_pool")
-        if not 1 <= self.num_ubatches <= MAX_UBATCHES:
-            raise ValueError(f"LinkConfig.num_ubatches: {self.num_ubatches} is not in "
-                             f"1-{MAX_UBATCHES}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"LinkConfig.timeout_s: must be > 0, got {self.timeout_s}")
-        for name in ("transfer_to_ffn", "transfer_to_attention"):
-            if getattr(self, name) not in TRANSFER_DTYPES:
-                raise ValueError(f"LinkConfig.{name}: {getattr(self, name)!r} is not one of "
-                                 f"{TRANSFER_DTYPES}")
+        check_link_fields(self, "LinkConfig")
 
     @classmethod
     def of(cls, config: Any) -> "LinkConfig":
@@ -79,23 +86,34 @@ class LinkConfig:
         """Where FFN rank ffn_rank listens (ffn_hosts, else host)."""
         return self.ffn_hosts[ffn_rank] if self.ffn_hosts else self.host
 
-    @property
-    def is_attention(self) -> bool:
-        return self.role == "attention"
-
-    @property
-    def is_ffn(self) -> bool:
-        return self.role == "ffn"
-
-    @property
-    def send_transfer(self) -> str:
-        """How this role's payloads travel to its peer."""
-        return self.transfer_to_ffn if self.is_attention else self.transfer_to_attention
-
-    @property
-    def receive_transfer(self) -> str:
-        """How its peer's payloads travel to this role."""
-        return self.transfer_to_attention if self.is_attention else self.transfer_to_ffn
+def check_link_fields(config: Any, where: str) -> None:
+    """The checks of the fields LinkConfig shares with AFDConfig, written once
+    for both (`where` names the config in the messages): AFDConfig runs them
+    where the user's values come in, LinkConfig where the harness builds one."""
+    if config.role not in ROLES:
+        raise ValueError(f"{where}.role: {config.role!r} is not one of {ROLES}")
+    if not 1 <= config.port <= 65535:
+        raise ValueError(f"{where}.port: {config.port} is not in 1-65535")
+    for name in ("num_attention_ranks", "num_ffn_ranks"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{where}.{name}: must be >= 1, got {getattr(config, name)}")
+    if config.ffn_hosts and len(config.ffn_hosts) != config.num_ffn_ranks:
+        raise ValueError(f"{where}.ffn_hosts: {len(config.ffn_hosts)} addresses for "
+                         f"{config.num_ffn_ranks} FFN ranks (num_ffn_ranks); give one per "
+                         f"rank, or none to use host for all")
+    if not all(config.ffn_hosts):
+        raise ValueError(f"{where}.ffn_hosts: an address must not be empty")
+    for endpoint in config.ffn_pool:
+        parse_endpoint(endpoint, f"{where}.ffn_pool")
+    if not 1 <= config.num_ubatches <= MAX_UBATCHES:
+        raise ValueError(f"{where}.num_ubatches: {config.num_ubatches} is not in "
+                         f"1-{MAX_UBATCHES}")
+    if config.timeout_s <= 0:
+        raise ValueError(f"{where}.timeout_s: must be > 0, got {config.timeout_s}")
+    for name in ("transfer_to_ffn", "transfer_to_attention"):
+        if getattr(config, name) not in TRANSFER_DTYPES:
+            raise ValueError(f"{where}.{name}: {getattr(config, name)!r} is not one of "
+                             f"{TRANSFER_DTYPES}")
 
 
 def parse_endpoint(text: str, where: str = "FFN pool member") -> tuple[str, int]:

@@ -115,7 +115,7 @@ class HandshakeMixin:
         unavailable = wire.FINGERPRINT_UNAVAILABLE
         for key in sorted(set(hello.fingerprint) & set(self.fingerprint)):
             expected, received = self.fingerprint[key], hello.fingerprint[key]
-            # An item one side could not compute (vllm/afd/model/fingerprint.py) is no
+            # An item one side could not compute (vllm/afd/adapter/model/fingerprint.py) is no
             # evidence of a mismatch.
             if expected != received and unavailable not in (expected, received):
                 differ(f"fingerprint[{key!r}]", expected, received)

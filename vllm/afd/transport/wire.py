@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 # Bump on any incompatible change; peers with different versions refuse to talk.
 # 2: LayerFrame.topk and Hello.routing_topk (routing computed on the attention side).
 # 3: authentication (Hello.auth_nonce, AuthChallenge, AuthProof) and the model
-#    fingerprint of vllm/afd/model/fingerprint.py in Hello.fingerprint.
+#    fingerprint of vllm/afd/adapter/model/fingerprint.py in Hello.fingerprint.
 # 4: HelloConfirm; Hello.device_kind; transport data as the connector's own
 #    encoded struct (Hello.transport, HelloAck.transport).
 # 5: transfer encodings (AFDConfig.transfer_dtype): Hello.transfer_to_ffn,

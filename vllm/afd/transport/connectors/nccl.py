@@ -12,7 +12,7 @@ two GPUs for two ranks; the GPU machine lent to this project has one).
 Design:
   * The data plane does not import vLLM, so the communicators come from a
     factory the caller passes (communicator_factory): the vLLM adapter passes
-    one built on vLLM's PyNccl (vllm/afd/nccl_factory.py), tests a fake.
+    one built on vLLM's PyNccl (vllm/afd/adapter/nccl_factory.py), tests a fake.
   * The FFN mints two ncclUniqueIds per attention peer and sends them in its
     HelloAck (NcclHandshake in HelloAck.transport: msgpack bytes, no pickle, no
     TCPStore). Neither side enters NCCL init before the attention side has
