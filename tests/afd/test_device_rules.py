@@ -487,7 +487,7 @@ def test_ffn_warms_up_before_it_listens():
     loop = None
 
     def compute(layer, h, routing):
-        seen.append((layer, h.shape[0], loop.gate is None, loop.ready.is_set()))
+        seen.append((layer, h.shape[0], loop.listener is None, loop.ready.is_set()))
         return h
 
     loop = _loop(compute, max_tokens=48)

@@ -3,7 +3,7 @@
 """The attention link's state, shared with the API server process.
 
 The link lives where the model runs (the engine core or a worker process);
-/health, the 503 gate for requests and /metrics live in the API server
+/health, the 503 guard for requests and /metrics live in the API server
 process. The link publishes a small JSON document per attention rank (state,
 peer, last error, counters) into a directory private to one API server's
 process tree; the API server reads it per request (a stat and a read of a few

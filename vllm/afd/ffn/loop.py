@@ -111,7 +111,7 @@ class FFNLoop:
                              else list(warmup_sizes))
         self._on_thread = on_thread
         self.device: DeviceContext | None = None  # set by start()
-        self.gate: AFDConnector | None = None  # listens; each peer gets a session
+        self.listener: AFDConnector | None = None  # listens; each peer gets a session
         self._sessions: dict[int, AFDConnector] = {}  # attention rank -> its live session
         self._threads: dict[int, threading.Thread] = {}
         self._lock = threading.Lock()
@@ -146,12 +146,12 @@ class FFNLoop:
         self.thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Close the gate and every session (unblocking their receives), and
+        """Close the listener and every session (unblocking their receives), and
         wait for the threads."""
         self.stop_event.set()
         self.batcher.close()
-        if self.gate is not None:
-            self.gate.close()
+        if self.listener is not None:
+            self.listener.close()
         with self._lock:
             sessions, threads = list(self._sessions.values()), list(self._threads.values())
         for conn in sessions:
@@ -182,18 +182,18 @@ class FFNLoop:
                 "layers": list(self.layers), "link": self.document()}
 
     def _last_refusal(self) -> str | None:
-        return self.gate.last_refusal if self.gate is not None else None
+        return self.listener.last_refusal if self.listener is not None else None
 
     def document(self) -> dict:
         """State and counters of this FFN rank's link, for /metrics."""
-        gate = self.gate
+        listener = self.listener
         with self._lock:
             sent, received = self._bytes_closed
             for conn in self._sessions.values():
                 sent, received = sent + conn.bytes_sent, received + conn.bytes_received
-        # The gate counts the refusals of every session's handshake.
-        auth = gate.auth_failures if gate is not None else 0
-        handshake = gate.handshake_failures if gate is not None else 0
+        # The listener counts the refusals of every session's handshake.
+        auth = listener.auth_failures if listener is not None else 0
+        handshake = listener.handshake_failures if listener is not None else 0
         stats = self.stats()
         return {"role": "ffn", "rank": self.placement.rank,
                 "peer": ",".join(f"attention rank {p}" for p in self.serving) or "-",
@@ -249,7 +249,7 @@ class FFNLoop:
 
     def _listen_loop(self) -> None:
         try:
-            gate = create_connector(
+            listener = create_connector(
                 self.config, hidden_size=self.hidden_size, dtype=self.dtype,
                 max_tokens=self.max_tokens, rank=self.placement.rank,
                 ffn_group=self.placement.group, routing_topk=self.routing_topk,
@@ -259,19 +259,19 @@ class FFNLoop:
             self.error = f"{type(e).__name__}: {e}"
             logger.error("AFD FFN loop cannot start: %s", self.error)
             return
-        self.gate = gate
+        self.listener = listener
         try:
-            if self._listen(gate):
-                self._accept_loop(gate)
+            if self._listen(listener):
+                self._accept_loop(listener)
         finally:
-            gate.close()
+            listener.close()
 
-    def _listen(self, gate: AFDConnector) -> bool:
+    def _listen(self, listener: AFDConnector) -> bool:
         """Listen on the rank's address, retrying while it is taken (e.g. by a
         server going away); False if the loop stopped or cannot serve."""
         while not self.stop_event.is_set():
             try:
-                gate.listen()
+                listener.listen()
                 return True
             except (AuthConfigError, NotImplementedError) as e:
                 # A public address without a secret; a transport without sessions.
@@ -285,7 +285,7 @@ class FFNLoop:
                 self.stop_event.wait(0.5)  # do not spin while the port is taken
         return False
 
-    def _accept_loop(self, gate: AFDConnector) -> None:
+    def _accept_loop(self, listener: AFDConnector) -> None:
         """Give each attention peer that comes its own session, any time."""
         while not self.stop_event.is_set():
             try:
@@ -295,7 +295,7 @@ class FFNLoop:
                                self.placement.rank, e)
             try:
                 # busy is read when a Hello arrives: a live view of the sessions.
-                conn = gate.accept_session(ACCEPT_POLL_S, busy=self._sessions.keys())
+                conn = listener.accept_session(ACCEPT_POLL_S, busy=self._sessions.keys())
             except Exception as e:
                 if self.stop_event.is_set():
                     break
@@ -303,7 +303,7 @@ class FFNLoop:
                 self.stop_event.wait(0.5)
                 continue
             if conn is None:
-                continue  # nobody came, or whoever came was refused (counted on the gate)
+                continue  # nobody came, or whoever came was refused (counted on the listener)
             [peer] = conn.connected_peers
             thread = threading.Thread(target=self._session, args=(peer, conn),
                                       name=f"afd-ffn-peer-{peer}", daemon=True)

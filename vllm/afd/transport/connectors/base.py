@@ -53,9 +53,9 @@ Two ways to be the FFN side:
   * accept() (connect()): wait until every expected attention peer has
     connected, and serve them all through this one connector; a failure of
     one makes it unusable for all. Later knocks are refused (tcp: a
-    gatekeeper thread answers them) while it is connected.
+    thread of its own refuses them) while it is connected.
   * Per-peer sessions (what the FFN server's loop uses): listen() once, then
-    accept_session() repeatedly on this connector, the gate. Each accepted
+    accept_session() repeatedly on this connector, the listener. Each accepted
     peer gets a fresh connector of the same class and configuration holding
     only that peer's link: its session, driven by its own thread, closed
     alone when that peer leaves or fails. Peers come and go at any time; a

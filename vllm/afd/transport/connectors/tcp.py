@@ -76,7 +76,7 @@ logger = logging.getLogger(__name__)
 # must not hold the FFN's accept loop for the whole connect timeout.
 HELLO_TIMEOUT_S = 10.0
 RETRY_INTERVAL_S = (0.05, 0.5)  # connect retries back off between these
-GATE_POLL_S = 0.1
+LISTEN_POLL_S = 0.1
 LISTEN_RETRY_S = 1.0
 
 
@@ -112,7 +112,7 @@ class SocketConnector(AFDConnector):
         super().__init__(afd_config, **kwargs)
         self._socket_spin_s = (spin_us_setting(self.afd_config, 0) / 1e6
                                if self.spins_on_socket else 0.0)
-        self._gatekeeper: threading.Thread | None = None
+        self._refuser: threading.Thread | None = None
         self.host = self.afd_config.host_of(self.ffn_rank)
         self.port = self.afd_config.port + self.ffn_rank
         self._listener: socket.socket | None = None
@@ -176,7 +176,7 @@ class SocketConnector(AFDConnector):
                                       allow_insecure=self.afd_config.allow_insecure,
                                       what=f"{self.me} at {self.address}")
         # The previous connector of this FFN rank may still hold the address for
-        # up to GATE_POLL_S after its close() (a listener stays bound while a
+        # up to LISTEN_POLL_S after its close() (a listener stays bound while a
         # thread is blocked in accept on it): a short retry covers that.
         retry_until = time.monotonic() + LISTEN_RETRY_S
         while True:
@@ -205,7 +205,7 @@ class SocketConnector(AFDConnector):
             try:
                 # Short: close() cannot wake an accept on a unix listener, and the
                 # address stays bound until that accept returns.
-                listener.settimeout(min(remaining, GATE_POLL_S))
+                listener.settimeout(min(remaining, LISTEN_POLL_S))
                 sock, addr = listener.accept()
             except socket.timeout:
                 continue
@@ -227,9 +227,9 @@ class SocketConnector(AFDConnector):
         self._accept_expected(deadline)
         # All peers are here. Keep the port: whoever knocks during the session is
         # told why it cannot join (its mismatches, or that its rank is taken).
-        self._keep_the_gate()
+        self._refuse_latecomers()
 
-    def _keep_the_gate(self) -> None:
+    def _refuse_latecomers(self) -> None:
         """Answer connections that arrive while this connector serves its peers:
         accept_session() with every peer busy, so each Hello is refused, naming
         each problem, by a separate connector (no state of the running session
@@ -239,19 +239,19 @@ class SocketConnector(AFDConnector):
         def run() -> None:
             while not self._closing.is_set():
                 try:
-                    stray = self.accept_session(GATE_POLL_S, busy)
+                    stray = self.accept_session(LISTEN_POLL_S, busy)
                 except Exception as e:  # noqa: BLE001 - the session must go on
                     if self._closing.is_set():
                         return  # close() shut the listener
                     logger.warning("%s: handshake during a session failed: %s", self.me, e)
-                    self._closing.wait(GATE_POLL_S)  # e.g. out of file descriptors
+                    self._closing.wait(LISTEN_POLL_S)  # e.g. out of file descriptors
                     continue
                 if stray is not None:  # cannot happen: every expected rank is busy
                     stray.close()
 
-        self._gatekeeper = threading.Thread(target=run, name=f"afd-gate-{self.port}",
+        self._refuser = threading.Thread(target=run, name=f"afd-refuse-{self.port}",
                                             daemon=True)
-        self._gatekeeper.start()
+        self._refuser.start()
 
     def peer_closed(self) -> bool:
         """Whether a peer's end of the connection hung up (FIN, reset), even
@@ -345,9 +345,9 @@ class SocketConnector(AFDConnector):
             except OSError:
                 pass
             listener.close()
-        gatekeeper = self._gatekeeper
-        if gatekeeper is not None and gatekeeper is not threading.current_thread():
-            gatekeeper.join(timeout=2 * HELLO_TIMEOUT_S)  # frees the port for the next session
+        refuser = self._refuser
+        if refuser is not None and refuser is not threading.current_thread():
+            refuser.join(timeout=2 * HELLO_TIMEOUT_S)  # frees the port for the next session
         self._rx_buffers.clear()
         self._views.clear()
         for table in (self._tx_staging, self._rx_staging):
