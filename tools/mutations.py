@@ -145,9 +145,10 @@ MUTATIONS = [
     Mutation(
         "data-plane-imports-vllm",
         "the data plane imports nothing from vLLM (from vllm import ... included)",
-        "installed", "vllm/afd/attention/pingpong.py",
+        "repo", "vllm/afd/attention/pingpong.py",
         (Edit("import queue\n", "import queue\n\nfrom vllm import logger as _logger\n"),),
-        ("tests/afd/test_device_rules.py::test_data_plane_logs_through_stdlib_logging",)),
+        ("tests/afd/test_import_graph.py::test_the_data_plane_imports_nothing_from_vllm_the_"
+         "adapter_or_the_tools",)),
 ]
 
 

@@ -30,7 +30,8 @@ from vllm.afd.transport.connectors import base as connectors_base
 from vllm.afd.transport.connectors.loopback import LoopbackConnector
 from vllm.afd.transport.connectors.nccl import NcclConnector
 from vllm.afd.transport.connectors.shm import ShmConnector
-from vllm.afd.transport.connectors.tcp import MAGIC, PREFIX, TcpConnector
+from vllm.afd.transport.connectors.socket_link import MAGIC, PREFIX
+from vllm.afd.transport.connectors.tcp import TcpConnector
 from vllm.afd.transport.wire import LayerFrame, StepHeader
 from helpers.connectors import FAKE_NCCL, HIDDEN, MAX_TOKENS, TOPK, Background, connect_pair, ffn_serve, make, raw_frame, read_message, routing_for, serve_one_layer
 from helpers.fp8 import reference_dequantize, reference_quantize

@@ -25,22 +25,29 @@ def module_names(root: Path, package: str) -> dict[str, Path]:
     return names
 
 
-def imports_of(name: str, path: Path) -> set[str]:
-    """Every dotted name module `name` (at path) imports, at module level or in
-    a function: `from package import name` gives package and package.name."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+def imports_in(source: str, package: str) -> set[str]:
+    """Every dotted name `source` (a module of `package`) imports, at module
+    level or in a function: `from package import name` gives package and
+    package.name (so `from vllm import logger` is vllm.logger); relative
+    imports resolved against package."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 parts = package.split(".")[:len(package.split(".")) - node.level + 1]
-                source = ".".join(parts + ([node.module] if node.module else []))
+                base = ".".join(parts + ([node.module] if node.module else []))
             else:
-                source = node.module or ""
-            found.update([source, *(f"{source}.{alias.name}" for alias in node.names)])
+                base = node.module or ""
+            found.update([base, *(f"{base}.{alias.name}" for alias in node.names)])
     return found
+
+
+def imports_of(name: str, path: Path) -> set[str]:
+    """imports_in for module `name`, read from its file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    return imports_in(path.read_text(), package)
 
 
 def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
@@ -105,18 +112,37 @@ def within(name: str, packages: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in packages)
 
 
+def outside_the_data_plane(target: str) -> bool:
+    """Whether an import of `target` leaves the data plane: vLLM (vllm.afd
+    aside), the adapter, the deployment tools or the seams."""
+    return ((target == "vllm" or target.startswith("vllm."))
+            and (not within(target, ("vllm.afd",)) or within(target, APART)))
+
+
 def test_the_data_plane_imports_nothing_from_vllm_the_adapter_or_the_tools():
     """Outside adapter/, deploy/ and seams.py nothing imports vLLM (vllm.afd
     aside), the adapter or the deployment tools: the data plane stands alone
-    (a transport can be tested, benchmarked and run without vLLM)."""
+    (a transport can be tested, benchmarked and run without vLLM), and it logs
+    through logging.getLogger (its records still reach vLLM's handlers, under
+    the `vllm` logger), never vllm.logger."""
     modules = module_names(ROOT, "vllm/afd")
     data_plane = {n: p for n, p in modules.items() if not within(n, APART)}
     assert "vllm.afd.attention.link" in data_plane and "vllm.afd.ffn.loop" in data_plane
     found = sorted(f"{name} imports {target}" for name, path in data_plane.items()
-                   for target in imports_of(name, path)
-                   if (target == "vllm" or target.startswith("vllm."))
-                   and (not within(target, ("vllm.afd",)) or within(target, APART)))
+                   for target in imports_of(name, path) if outside_the_data_plane(target))
     assert found == []
+
+
+def test_the_import_rule_sees_every_form_of_importing_vllm():
+    package = "vllm.afd.attention"
+    for source in ("from vllm import logger", "import vllm", "from vllm.logger import x",
+                   "def f():\n    import vllm.envs", "from ...logger import init_logger",
+                   "from vllm import envs as e", "from vllm.afd.adapter import config",
+                   "from ..deploy.planner import cost"):
+        assert any(map(outside_the_data_plane, imports_in(source, package))), source
+    for source in ("from vllm.afd.transport import base", "from ..transport import base",
+                   "import logging", "from . import pingpong"):
+        assert not any(map(outside_the_data_plane, imports_in(source, package))), source
 
 
 def test_a_cycle_through_a_lazy_import_is_found(tmp_path):

@@ -18,7 +18,7 @@ import torch
 
 from vllm.afd.attention.link import StepPlan
 from vllm.afd.transport.connectors.base import AFDConnectionError
-from vllm.afd.transport.connectors.tcp import SocketLink
+from vllm.afd.transport.connectors.socket_link import SocketLink
 from vllm.afd.transport.connectors.shm_frames import ShmFrames
 from vllm.afd.transport.connectors.tcp_frames import TcpFrames, socket_frame_template
 from vllm.afd.transport.wire import StepHeader

@@ -16,7 +16,7 @@ import torch
 
 from vllm.afd.adapter.config import AFDConfig
 from vllm.afd.transport.connectors import AFDConnectionError, create_connector
-from vllm.afd.transport.connectors.tcp import MAGIC, PREFIX, SocketLink
+from vllm.afd.transport.connectors.socket_link import MAGIC, PREFIX, SocketLink
 from vllm.afd.transport.wire import StepHeader
 from helpers.connectors import HIDDEN, Background, free_port
 from helpers.pairs import echo, run_steps, wait_cpu_times

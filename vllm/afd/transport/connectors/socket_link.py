@@ -13,7 +13,6 @@ import socket
 import struct
 import time
 
-from vllm.afd.transport import wire
 from vllm.afd.transport.connectors.base import (LOG_INTERVAL_S, LinkClosed, LinkTimeout,
                                                 WaitCallback)
 from vllm.afd.transport.wire import ProtocolError

@@ -64,8 +64,7 @@ from vllm.afd.transport import auth, wire
 from vllm.afd.transport.buffers import HostSlots
 from vllm.afd.transport.connectors.base import (AFDConnectionError, AFDConnector,
                                                 WaitCallback, spin_us_setting)
-from vllm.afd.transport.connectors.socket_link import (  # noqa: F401 (re-exported)
-    _HANGUP, MAGIC, MAX_HEADER_BYTES, PREFIX, SocketLink)
+from vllm.afd.transport.connectors.socket_link import _HANGUP, SocketLink
 from vllm.afd.transport.connectors.step_calls import StepCalls
 from vllm.afd.transport.connectors.tcp_frames import TcpFrames
 from vllm.afd.transport.wire import LayerFrame, ProtocolError
