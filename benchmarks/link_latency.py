@@ -100,13 +100,13 @@ def echo_ffn(connector: str, port: int, extra: dict, transfer: str, idle_s: floa
 
 
 def layer_call(attn, layer: int, h, out, prepared: bool) -> None:
-    """One layer call: prepared calls (what the attention link uses for steps
-    of one micro-batch, where the connector has them) or send_hidden +
-    recv_output (micro-batched steps, other connectors)."""
-    if prepared and attn.prepared_send(layer, 0, h, out):
-        if attn.prepared_recv(layer, 0, out):
-            return
-        attn.recv_output(layer, 0, out=out)
+    """One layer call: through the step channel as the attention link makes it
+    (send_call, recv_call: the connector's C calls where it has them), or,
+    prepared False, through the general protocol calls the channel falls
+    back on (send_hidden + recv_output)."""
+    if prepared:
+        attn.send_call(layer, 0, h)
+        attn.recv_call(layer, 0, out)
         return
     attn.send_hidden(layer, 0, h)
     attn.recv_output(layer, 0, out=out)

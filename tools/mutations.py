@@ -74,7 +74,7 @@ MUTATIONS = [
     Mutation(
         "pool-failover-skipped",
         "a step that loses its FFN pool member finishes on another one",
-        "installed", "vllm/afd/attention/link.py",
+        "installed", "vllm/afd/attention/resume.py",
         (Edit("                member = self.pool.next_member(exclude=failed)\n",
               "                member = None\n"),),
         ("tests/afd/test_pool.py::test_a_killed_member_mid_step_changes_no_output",)),

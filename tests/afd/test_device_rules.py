@@ -81,13 +81,12 @@ def test_staged_prepared_calls_settle_the_slot_before_the_next_post(settled, mon
     try:
         attn.send_step(StepHeader(step_id=1, num_tokens=[4]))
         ffn.recv_step(0)
-        assert attn.exchange_prepared() and ffn._prepared.get(0) is not None
         first, second = torch.full((4, H), 1.0), torch.full((4, H), 2.0)
         out1, out2 = torch.zeros(4, H), torch.zeros(4, H)
         for layer, h, out in ((0, first, out1), (1, second, out2)):
-            assert attn.prepared_send(layer, 0, h, out)
+            attn.send_call(layer, 0, h)
             assert ffn.reply_prepared(0, layer, 0, ffn.recv_prepared(0, layer, 0).clone())
-            assert attn.prepared_recv(layer, 0, out)  # its copy is still in flight
+            attn.recv_call(layer, 0, out)  # its copy is still in flight
         attn.ops.pool.shutdown(wait=True)
         assert attn.fast_calls == 4 and ffn.fast_calls == 4  # no general path taken
         if settled:
@@ -158,12 +157,12 @@ def test_a_staged_send_is_one_copy_that_has_landed_before_the_header(kind, lande
         for layer in range(3):
             h = torch.full((4, H), float(layer + 1))
             before = dict(attn.ops.calls)
-            assert attn.prepared_send(layer, 0, h, None)
+            attn.send_call(layer, 0, h)
             sends.append({k: v - before.get(k, 0) for k, v in attn.ops.calls.items()
                           if v != before.get(k, 0)})
             got.append(ffn.recv_prepared(0, layer, 0).clone())
             ffn.reply_prepared(0, layer, 0, got[-1])
-            assert attn.prepared_recv(layer, 0, torch.zeros(4, H))
+            attn.recv_call(layer, 0, torch.zeros(4, H))
         attn.ops.pool.shutdown(wait=True)
         attn.ops.writes.shutdown(wait=True)
         sent = [torch.full((4, H), float(layer + 1)) for layer in range(3)]
@@ -171,6 +170,7 @@ def test_a_staged_send_is_one_copy_that_has_landed_before_the_header(kind, lande
         # first (a query on a GPU: the post lets the FFN write it again)
         # before its one copy. tcp settles its receive slot when it receives.
         settle = {"wait_host_settled": 1} if kind == "shm" else {}
+        assert attn.fast_calls == 6  # every send and receive a C call
         assert sends == [{"copy_to_host": 1}] + [{**settle, "copy_to_host": 1}] * 2, sends
         if landed:
             assert all(torch.equal(g, s) for g, s in zip(got, sent))

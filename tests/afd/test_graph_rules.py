@@ -84,22 +84,21 @@ def test_an_eager_remote_ffn_allocates_its_output_after_the_send(patient_waits, 
 
     h = torch.randn(3, HIDDEN)
     shm_link.begin_step(StepPlan(num_tokens=(3,)))
-    lead = shm_link._fast  # this step's prepared calls
-    assert lead is not None
+    lead = shm_link.step.sender  # the step's lone lead connector
     fast_calls = lead.fast_calls
     for layer, ffn in enumerate(remote_ffns(CompilationMode.NONE)):
         with AtenOps() as ops:
-            send = lead.prepared_send
+            send = lead.send_call
 
             def sending(*args, send=send, names=ops.names):
                 names.append("<sent>")
                 return send(*args)
 
-            lead.prepared_send = sending  # an instance attribute, over the method
+            lead.send_call = sending  # an instance attribute, over the method
             try:
                 out = ffn(h)
             finally:
-                del lead.prepared_send
+                del lead.send_call
         assert torch.equal(out, h * 2 + layer)
         allocations = [i for i, name in enumerate(ops.names) if name in ALLOCATING]
         assert allocations and ops.names.index("<sent>") < allocations[0], ops.names

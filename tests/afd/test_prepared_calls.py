@@ -57,8 +57,6 @@ def test_prepared_calls_carry_every_layer_call_and_count_like_the_general_path(
         c_calls, send_ns, wait_ns = (attn._prepared[0][1].step_calls_times(
             attn._prepared[0][0])[i] for i in (2, 0, 1))
         assert c_calls == layers and send_ns > 0 and wait_ns > 0  # the last step's
-        assert attn.take_exchange_send_s() == pytest.approx(send_ns * 1e-9)
-        assert attn.take_exchange_send_s() == 0.0  # taken
     finally:
         attn.close()
         assert server.join_result() == len(steps)
@@ -81,10 +79,10 @@ def test_prepared_calls_carry_every_layer_call_and_count_like_the_general_path(
 
 def test_what_prepared_calls_cannot_carry_is_not_sent():
     """Hidden states of another shape, dtype or layout, or an output already
-    in flight: prepared_send sends nothing (the lane's count stays), and the
-    general path then carries the call. An `out` the copy cannot fill is
-    prepared_recv's to refuse (checked there, while the FFN computes, not on
-    the way to it): the general receive fills it."""
+    in flight: send_call's C post sends nothing (the lane's count stays), and
+    the general path then raises its error for the call. An `out` the copy
+    cannot fill is refused by recv_call's C take (checked there, while the
+    FFN computes, not on the way to it): the general receive takes over."""
     ffn, attn = pair(spin_us=20_000)
     server = Background(reply_echo, ffn, 1)
     try:
@@ -95,21 +93,29 @@ def test_what_prepared_calls_cannot_carry_is_not_sent():
         for h, out in ((torch.randn(3, HIDDEN), torch.empty(3, HIDDEN)),
                        (good.double(), torch.empty(4, HIDDEN, dtype=torch.float64)),
                        (torch.randn(HIDDEN, 4).t(), torch.empty(4, HIDDEN))):
-            assert not attn.prepared_send(0, 0, h, out)
+            with pytest.raises(ValueError, match="hidden states of layer 0 ubatch 0"):
+                attn.send_call(0, 0, h)
         assert lane.counters["sent"] == sent and attn.fast_calls == 0
         attn.send_hidden(0, 0, good)
-        assert not attn.prepared_send(0, 0, good, torch.empty(4, HIDDEN))  # one in flight
-        assert torch.equal(attn.recv_output(0, 0), good * 2)
+        sent, calls = lane.counters["sent"], attn.fast_calls
+        with pytest.raises(ValueError, match="already has hidden states in flight"):
+            attn.send_call(0, 0, good)  # one in flight
+        assert lane.counters["sent"] == sent and attn.fast_calls == calls
+        assert torch.equal(attn.recv_call(0, 0), good * 2)
         attn.send_step(StepHeader(step_id=2, num_tokens=[4]))
         out = torch.empty(4, HIDDEN + 1)[:, :HIDDEN]
-        assert attn.prepared_send(0, 0, good, out)
+        calls = attn.fast_calls
+        attn.send_call(0, 0, good)
+        assert attn.fast_calls == calls + 1
         received = lane.counters["received"]
-        assert not attn.prepared_recv(0, 0, out)
-        assert lane.counters["received"] == received  # nothing taken: the general path's
-        # The general receive's own error, as the call got before `out` was checked here.
+        # The general receive's own error, as the call got before `out` was
+        # checked by the C take.
         with pytest.raises(ValueError, match="output buffer of layer 0 ubatch 0 must be "
                                              "contiguous"):
-            attn.recv_output(0, 0, out=out)
+            attn.recv_call(0, 0, out)
+        assert lane.counters["received"] == received  # nothing taken
+        assert attn.fast_calls == calls + 1
+        assert torch.equal(attn.recv_call(0, 0), good * 2)  # the general receive's
     finally:
         attn.close()
         server.join_result()
@@ -118,8 +124,8 @@ def test_what_prepared_calls_cannot_carry_is_not_sent():
 
 @pytest.mark.parametrize("connector", PAIRS)
 def test_an_error_frame_instead_of_the_output_is_raised_by_the_general_receive(connector):
-    """The FFN reports an error instead of answering: prepared_recv leaves it
-    to recv_output, which raises the FFN's own text."""
+    """The FFN reports an error instead of answering: recv_call's C take
+    leaves it to the general receive, which raises the FFN's own text."""
     ffn, attn = PAIRS[connector](spin_us=20_000)
 
     def fail():
@@ -130,11 +136,12 @@ def test_an_error_frame_instead_of_the_output_is_raised_by_the_general_receive(c
     server = Background(fail)
     attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
     h, out = torch.randn(2, HIDDEN), torch.empty(2, HIDDEN)
-    assert attn.prepared_send(0, 0, h, out)
+    attn.send_call(0, 0, h)
+    assert attn.fast_calls == 1
     server.join_result()
-    assert not attn.prepared_recv(0, 0, out)
     with pytest.raises(AFDConnectionError, match="out of memory"):
-        attn.recv_output(0, 0, out=out)
+        attn.recv_call(0, 0, out)
+    assert attn.fast_calls == 1  # not taken by the C take
     attn.close()
     ffn.close()
 
@@ -161,8 +168,8 @@ def test_a_goodbye_instead_of_the_next_hidden_states_is_raised_by_the_general_re
 @pytest.mark.parametrize("connector", PAIRS)
 def test_an_answer_later_than_the_prepared_wait_arrives_through_the_general_path(
         monkeypatch, connector):
-    """An FFN slower than the prepared wait's bound (doorbell.FAST_WAIT_MS):
-    the general receive waits on and delivers the output."""
+    """An FFN slower than the C take's bound (doorbell.FAST_WAIT_MS): the
+    general receive waits on and delivers the output."""
     from vllm.afd.transport import doorbell
 
     monkeypatch.setattr(doorbell, "FAST_WAIT_MS", 20)
@@ -177,11 +184,12 @@ def test_an_answer_later_than_the_prepared_wait_arrives_through_the_general_path
     server = Background(slow)
     attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
     h, out = torch.randn(2, HIDDEN), torch.empty(2, HIDDEN)
-    assert attn.prepared_send(0, 0, h, out)
-    t0 = time.monotonic()
-    assert not attn.prepared_recv(0, 0, out)
-    assert time.monotonic() - t0 < 0.15
-    assert attn.recv_output(0, 0, out=out) is out and torch.equal(out, h + 1)
+    attn.send_call(0, 0, h)
+    assert attn.fast_calls == 1
+    assert attn.recv_call(0, 0, out) is out and torch.equal(out, h + 1)
+    # The C take gave up at its bound (it would have counted the output it
+    # took): the general receive waited on.
+    assert attn.fast_calls == 1
     server.join_result()
     attn.close()
     ffn.close()
@@ -203,7 +211,6 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps(pat
         link.start()
         for step, rows in enumerate([1, 5, 32]):
             link.begin_step(StepPlan(num_tokens=(rows,)))
-            assert link._fast is not None
             h = torch.randn(rows, HIDDEN)
             for layer in layers:
                 if layer:
@@ -269,7 +276,7 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps(pat
         fast_before = (lead.fast_calls, session.fast_calls)
         for _ in range(2):
             link.begin_step(StepPlan(num_tokens=(2, 3)))
-            assert link._fast is None and link._fast_ubatches is lead
+            assert link.step.sender is lead
 
             def run(u, hidden=hidden):
                 h = hidden[u]
@@ -296,11 +303,11 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps(pat
         loop.stop()
 
 
-@pytest.mark.parametrize("path", ["one micro-batch", "micro-batched", "general"])
+@pytest.mark.parametrize("path", ["one micro-batch", "micro-batched"])
 def test_an_output_the_caller_does_not_give_is_made_after_the_send(path):
     """exchange without `out` (an eager RemoteFFN's call) allocates the output
-    once the hidden states are out, on each path: the prepared calls of one
-    micro-batch and of several, and the general send. On a CPU host's cold
+    once the hidden states are out (send_call returned), in steps of one
+    micro-batch and of several. On a CPU host's cold
     cache an allocation costs ~15 us: made after the send, the FFN computes
     meanwhile; made before, both sides wait for it."""
 
@@ -320,12 +327,7 @@ def test_an_output_the_caller_does_not_give_is_made_after_the_send(path):
         link.start()
         rows = (3,) if path == "one micro-batch" else (2, 3)
         link.begin_step(StepPlan(num_tokens=rows))
-        if path == "general":
-            link._fast = link._fast_ubatches = None
-            sender, name = link._member, "send_hidden"
-        else:
-            assert (link._fast if len(rows) == 1 else link._fast_ubatches) is not None
-            sender, name = link._fast_lead, "prepared_send"
+        sender, name = link.step.sender, "send_call"
         for layer in (0, 1):
             for u, n in enumerate(rows):
                 h = torch.randn(n, HIDDEN)
@@ -394,7 +396,7 @@ def test_tensors_the_transport_cannot_take_fail_no_link(connector):
         for layer in layers:
             assert torch.equal(link.exchange(layer, h, torch.empty_like(h)), h * 2 + layer)
         link.end_step()
-        assert link.failovers == 0 and link.pool.members[0].failed_over == 0
+        assert link.resume.failovers == 0 and link.pool.members[0].failed_over == 0
         link.begin_step(StepPlan(num_tokens=(4,)))
         for layer in layers:
             assert torch.equal(link.exchange(layer, h, torch.empty_like(h)), h * 2 + layer)

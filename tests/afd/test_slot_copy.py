@@ -64,8 +64,9 @@ def test_payloads_arrive_exact_whichever_way_they_are_copied(stream_copies):
             for layer in range(layers):
                 h = unaligned(rows, g)
                 out = torch.empty_like(h)
-                if layer % 2 and attn.prepared_send(layer, 0, h, out):
-                    assert attn.prepared_recv(layer, 0, out)
+                if layer % 2:  # the C calls
+                    attn.send_call(layer, 0, h)
+                    assert attn.recv_call(layer, 0, out) is out
                 else:
                     attn.send_hidden(layer, 0, h)
                     assert attn.recv_output(layer, 0, out=out) is out

@@ -131,12 +131,14 @@ def prepared_steps(attn, steps: list[int], layers: int) -> None:
     g = torch.Generator().manual_seed(1)
     for i, rows in enumerate(steps):
         attn.send_step(StepHeader(step_id=i + 1, num_tokens=[rows]))
-        assert attn.exchange_prepared()
         for layer in range(layers):
             h = torch.randn(rows, HIDDEN, generator=g)
             out = torch.empty_like(h)
-            assert attn.prepared_send(layer, 0, h, out)
-            assert attn.prepared_recv(layer, 0, out)
+            calls = attn.fast_calls
+            attn.send_call(layer, 0, h)
+            assert attn.fast_calls == calls + 1  # a C post sent it
+            assert attn.recv_call(layer, 0, out) is out
+            assert attn.fast_calls == calls + 2  # a C take received it
             assert torch.equal(out, h * 2 + layer)
 
 

@@ -22,7 +22,7 @@ AFDConfig.ffn_pool), each kept connected by its own supervisor thread (which
 enters the device the link was built for): it dials, retries with backoff
 while the FFN is not there or refuses us, and reconnects after a loss. A real
 step goes to the next ready member (round robin). When that member fails
-mid-step, the step is resumed on another ready one (`_fail_over`: a StepHeader
+mid-step, the step is resumed on another ready one (resume.py: a StepHeader
 with from_layer, then the layer calls in flight sent again), and the caller
 never notices. A step never waits for a connection once the link was up: with
 no member ready, at the start or after a failure, it raises AFDLinkDown at
@@ -35,7 +35,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +44,8 @@ import torch
 from vllm.afd.attention import pingpong
 from vllm.afd.attention import status as link_status
 from vllm.afd.attention.pool import Pool
+from vllm.afd.attention.resume import StepResume
+from vllm.afd.attention.step import Step
 from vllm.afd.attention.ubatch_rule import UbatchRule
 from vllm.afd.observability.metrics import LATENCY_BUCKETS_S, Histogram
 from vllm.afd.observability.stats import LinkStats, now
@@ -56,7 +57,6 @@ from vllm.afd.transport.wire import ProtocolError, Routing, StepHeader
 logger = logging.getLogger(__name__)
 
 PUBLISH_INTERVAL_S = 1.0
-LAST_FAILOVERS_KEPT = 64  # failover times kept for /afd/status
 
 # What a step is, as the runner names it.
 REAL, PROFILE, WARMUP, CAPTURE = "real", "profile", "warmup", "capture"
@@ -111,30 +111,15 @@ class AttentionLink:
         self.layers: list[int] = []
         self.routing_topk = 0  # experts per token of the routed layers (0: none)
         self.step_id = 0
-        self.plan: StepPlan | None = None  # the step in progress
+        self.plan: StepPlan | None = None  # the run in progress, any kind
+        self.step: Step | None = None  # the real step in progress
         self.dummy_runs: dict[str, int] = {}  # runs per kind that never touched the link
         self.stats = LinkStats()
         self._spin_link, self._spin_seen = None, [0, 0]  # see end_step
         self.round_trip = Histogram(LATENCY_BUCKETS_S)
-        # Failovers: a member lost mid-step, the step finished on another one.
-        self.failovers = 0
-        self.resent_calls = 0  # layer calls sent again to the member that took over
-        self.failover_time = Histogram(LATENCY_BUCKETS_S)  # error -> the output, resent
-        self.last_failovers: deque[float] = deque(maxlen=LAST_FAILOVERS_KEPT)
         self.state = link_status.STARTING
         self.since = time.time()
         self.last_error: str | None = None
-        self._member = None  # the pool member of the step in progress
-        self._pending: dict[int, tuple] = {}  # ubatch -> (layer, hidden, routing) in flight
-        self._done: list[int] = []  # per ubatch: layer calls finished this step
-        self._step_start = 0.0
-        self._step_calls_left = 0
-        # The lead connector whose prepared calls (connectors/step_calls.py) carry
-        # this step, armed by begin_step where they apply: a lone lead, shm.
-        # _fast: a step of one micro-batch; _fast_ubatches: of more (ping-pong).
-        # _fast_lead: either, until end_step reads its times.
-        self._fast = self._fast_ubatches = self._fast_lead = None
-        self._round_trips: list[float] = []  # into self.round_trip at end_step
         self._lock = threading.Lock()
         self._state_changed = threading.Condition(self._lock)
         self._publish_lock = threading.Lock()
@@ -145,8 +130,12 @@ class AttentionLink:
         self.pool = Pool(self.config, rank=rank, device=self.device,
                          connector_kwargs=self._connector_kwargs, lock=self._lock,
                          on_state=self._refresh_state, publish=self._publish,
-                         in_step=lambda m: self.plan is not None and self._member is m,
+                         in_step=lambda m: self.step is not None and self.step.member is m,
                          on_thread=on_thread)
+        # Failovers: a member lost mid-step, the step finished on another one.
+        self.resume = StepResume(self.pool, self._lock, self.layers, rank,
+                                 self.unavailable_reason, on_lost=self._wake.set,
+                                 publish=self._publish)
         ffn_rank = rank % self.config.num_ffn_ranks
         members = self.pool.members
         self.peer = members[0].name if len(members) == 1 and not self.config.ffn_pool_file \
@@ -280,35 +269,18 @@ class AttentionLink:
             if member is None:
                 raise AFDLinkDown(self.unavailable_reason())
         self.step_id += 1
-        self.plan, self._member = plan, member
-        self._pending = {}
-        self._done = [0] * len(plan.num_tokens)
-        self._step_calls_left = len(self.layers) * len(plan.num_tokens)
+        step = Step(self.step_id, plan.num_tokens, member, len(self.layers), now())
+        self.plan, self.step = plan, step
         try:
-            member.send_step(StepHeader(step_id=self.step_id, num_tokens=list(plan.num_tokens)))
+            member.send_step(StepHeader(step_id=step.id, num_tokens=list(plan.num_tokens)))
             member.steps += 1
         except Exception as e:
             try:
-                self._fail_over(member, e, "the step header")
+                self.resume.take_over(step, member, e, "the step header")
             except AFDLinkDown:
-                self.plan, self._member = None, None
+                self.plan = self.step = None
                 raise
-        self._step_start = now()
         self.stats.tokens += sum(plan.num_tokens) * len(self.layers)
-        self._arm_fast(member, plan)
-
-    def _arm_fast(self, member, plan: StepPlan) -> None:
-        """A step with a lone lead takes its connector's prepared calls when it
-        has them: exchange()'s general path costs more than the link itself on
-        a cold cache (benchmarks/notes.md)."""
-        self._fast = self._fast_ubatches = self._fast_lead = None
-        lead = member.lead if self._member is member else None
-        if lead is not None and not member.followers and lead.exchange_prepared():
-            if len(plan.num_tokens) == 1:
-                self._fast = lead
-            else:
-                self._fast_ubatches = lead
-            self._fast_lead = lead
 
     def exchange(self, layer_idx: int, hidden_states: torch.Tensor,
                  out: torch.Tensor | None = None, routing: Routing | None = None,
@@ -320,254 +292,134 @@ class AttentionLink:
         allocation costs microseconds, on the path both sides wait on when made
         before the call). routing: the MoE routing (gate_on "attention").
         ubatch: the micro-batch; by default the ping-pong turn of this thread
-        (0 outside one)."""
-        fast = self._fast  # set only inside a real step: the checks below hold
-        if fast is not None and not ubatch:
-            t0 = now()
-            if fast.prepared_send(layer_idx, 0, hidden_states, out, routing):
-                # Counted while the FFN computes, undone if the output does not come.
-                member = self._member
-                self._done[0] += 1
-                member.layer_calls += 1
-                stats = self.stats
-                stats.layer_calls += 1
-                stats.routed_calls += routing is not None
-                self._step_calls_left -= 1
-                if out is None:
-                    out = _output_like(hidden_states)
-                if fast.prepared_recv(layer_idx, 0, out):
-                    elapsed = now() - t0
-                    stats.wait_s += elapsed  # end_step moves the send's part to send_s
-                    self._round_trips.append(elapsed)
-                    return out
-                self._done[0] -= 1
-                member.layer_calls -= 1
-                stats.layer_calls -= 1
-                stats.routed_calls -= routing is not None
-                self._step_calls_left += 1
-                self._fast = None  # the rest of the step takes the general path
-                stats.wait_s += now() - t0
-                return self._finish_exchange(layer_idx, 0, hidden_states, out, routing, member,
-                                             t0, t0, None)
-            self._fast = None
-        plan = self.plan
-        if plan is None:
-            raise RuntimeError(f"AFD attention rank {self.rank}: remote FFN layer "
-                               f"{layer_idx} called outside a step; the model runner names "
-                               f"every forward pass (begin_step)")
-        if not plan.is_real:  # profile, warm-up and capture runs: shapes only
-            if out is None:
-                return torch.zeros_like(hidden_states, memory_format=torch.contiguous_format)
-            return out.zero_()
-        hidden_states = hidden_states.contiguous()  # sends read its bytes as they lie
-        turn = pingpong.current_turn()
-        pp, u = turn if turn is not None else (None, 0)
+        (0 outside one).
+
+        One path for every connector: the step's sender sends (send_call), the
+        turn passes to another micro-batch, the lead receives (recv_call); how
+        is the connector's (a prepared C call, the general protocol, a device
+        exchange). Anything else is an exception, handled out of line
+        (_recover): a failover, or an `out` the connector cannot fill."""
+        step = self.step
+        if step is None:
+            return self._outside_a_real_step(layer_idx, hidden_states, out)
+        pp, u = None, 0
+        if step.ubatched:
+            turn = pingpong.current_turn()
+            if turn is not None:
+                pp, u = turn
         if ubatch is not None:
             u = ubatch
-        member = self._member
-        if member is None:  # lost earlier in this step (another micro-batch)
-            raise AFDLinkDown(self.unavailable_reason())
-        fast = self._fast_ubatches
-        if fast is not None:
-            done = self._exchange_prepared(fast, member, pp, u, layer_idx, hidden_states, out,
-                                           routing)
-            if done is not None:
-                return done
-        where = f"layer {layer_idx} micro-batch {u}"
-        # Kept until its output arrives: a failover sends it again (the caller
-        # leaves the tensors unchanged until then, as zero-copy sends need).
-        self._pending[u] = (layer_idx, hidden_states, routing)
+        hidden_states = hidden_states.contiguous()  # sends read its bytes as they lie
+        step.in_flight[u] = (layer_idx, hidden_states, routing)
         failed_at = None
         t0 = now()
         try:
-            member.send_hidden(layer_idx, u, hidden_states, routing)
+            step.sender.send_call(layer_idx, u, hidden_states, routing)
         except Exception as e:
-            if (isinstance(e, ValueError) and not isinstance(e, ProtocolError)
-                    and not self._sendable(hidden_states, u)):
-                # The caller's hidden states, refused before anything was sent:
-                # not the link's fault, so no failover (each member would
-                # refuse them alike, and all would be dropped).
-                del self._pending[u]
-                raise
-            failed_at = now()
-            self._fail_over(member, e, where)
+            failed_at = self._send_failed(step, layer_idx, u, hidden_states, e)
         t1 = now()
         if out is None:  # made after the send (see the docstring)
             out = _output_like(hidden_states)
         if pp is not None:
             pp.yield_turn(u)
-        return self._finish_exchange(layer_idx, u, hidden_states, out, routing, member, t0,
-                                     t1, failed_at)
-
-    def _exchange_prepared(self, fast, member, pp, u: int, layer_idx: int,
-                           hidden_states: torch.Tensor, out: torch.Tensor | None,
-                           routing: Routing | None):
-        """A micro-batched step's layer call through the lead's prepared calls:
-        send, pass the turn, receive (into out, made once the turn is back when
-        None). None: nothing was sent (the general path sends it). The call
-        stays in _pending until its output is in, so a failover while the other
-        micro-batches hold the turn sends it again. The send is counted as
-        waiting, as the one micro-batch path's: end_step moves the prepared
-        sends' own time (take_exchange_send_s) to send_s."""
-        self._pending[u] = (layer_idx, hidden_states, routing)
-        t0 = now()
-        if not fast.prepared_send(layer_idx, u, hidden_states, out, routing):
-            self._fast_ubatches = None  # the rest of the step takes the general path
-            return None
-        stats = self.stats
-        stats.wait_s += now() - t0
-        if pp is not None:
-            pp.yield_turn(u)
-        if out is None:
-            # Here, not before the send: where the FFN bounds the step it
-            # computes this micro-batch meanwhile; elsewhere the attention core
-            # pays for it wherever it is made.
-            out = _output_like(hidden_states)
-        t2 = now()
-        if self._member is member:
-            if fast.prepared_recv(layer_idx, u, out):
-                t3 = now()
-                del self._pending[u]
-                self._done[u] += 1
-                member.layer_calls += 1
-                stats.wait_s += t3 - t2
-                stats.layer_calls += 1
-                stats.routed_calls += routing is not None
-                self._round_trips.append(t3 - t0)
-                self._step_calls_left -= 1
-                return out
-            # Queued for the general receive (its waits, errors, failover); the
-            # calls sent after it follow it there.
-            self._fast_ubatches = None
-            stats.wait_s += now() - t2
-        # else another micro-batch failed over meanwhile and sent this call
-        # again to the new member: the general receive takes it there.
-        return self._finish_exchange(layer_idx, u, hidden_states, out, routing, member, t0,
-                                     t0, None)
-
-    def _finish_exchange(self, layer_idx: int, u: int, hidden_states: torch.Tensor,
-                         out: torch.Tensor, routing: Routing | None, member, t0: float,
-                         t1: float, failed_at: float | None) -> torch.Tensor:
-        """Wait for (layer, u)'s output, sent at t0 (done sending at t1),
-        failing over as needed; then the step's and the link's counters."""
-        where = f"layer {layer_idx} micro-batch {u}"
-        self._pending[u] = (layer_idx, hidden_states, routing)
-        staged = None  # the output, where `out` cannot take it from the transport
-        t2 = now()
-        while True:
-            member = self._member  # a failover while others held the turn moves it
-            if member is None:
-                raise AFDLinkDown(self.unavailable_reason())
-            try:
-                lead = member.lead
-                if lead is None:
-                    raise AFDLinkDown(f"{member.name} was closed")
-                if staged is None:
-                    lead.recv_output(layer_idx, u, out=out)
-                else:
-                    staged = lead.recv_output(layer_idx, u)
-                break
-            except ValueError as e:
-                # The connector refuses an `out` it cannot fill (strided, another
-                # shape or dtype) before it receives anything: the caller's
-                # buffer, not the link, so no failover; the output comes
-                # through the transport's buffer instead (below).
-                if staged is None and not self._fits(out, hidden_states):
-                    staged = False
-                    continue
-                failed_at = failed_at or now()
-                self._fail_over(member, e, where)
-            except Exception as e:
-                failed_at = failed_at or now()
-                self._fail_over(member, e, where)
+            t2 = now()  # the turn's time is neither sending nor waiting
+        else:
+            t2 = t1
+        staged = None  # the output, where `out` could not take it from the transport
+        try:
+            step.lead.recv_call(layer_idx, u, out)  # a failover meanwhile moved it
+        except Exception as e:
+            failed_at, staged = self._recover(step, layer_idx, u, hidden_states, out, e,
+                                              failed_at)
         t3 = now()
-        del self._pending[u]
-        self._done[u] += 1
-        member.layer_calls += 1
-        if failed_at is not None:
-            self.failover_time.observe(t3 - failed_at)
-            self.last_failovers.append(round(t3 - failed_at, 6))
+        # The call's counters, once.
+        step.answered(u)
+        step.member.layer_calls += 1
+        step.round_trips.append(t3 - t0)
         stats = self.stats
         stats.send_s += t1 - t0
         stats.wait_s += t3 - t2
         stats.layer_calls += 1
         stats.routed_calls += routing is not None
-        self.round_trip.observe(t3 - t0)
-        self._step_calls_left -= 1
+        if failed_at is not None:
+            self.resume.observe(t3 - failed_at)
         if staged is not None:
-            if out.shape != staged.shape or out.dtype != staged.dtype:
-                raise ValueError(
-                    f"AFD attention rank {self.rank}: the output buffer of layer {layer_idx} "
-                    f"micro-batch {u} is {list(out.shape)} {out.dtype}, the output "
-                    f"{list(staged.shape)} {staged.dtype} (the link stays in step)")
-            out.copy_(staged)  # a strided `out`: the values land where it says
+            self._copy_staged(layer_idx, u, staged, out)
         return out
 
-    def _sendable(self, hidden_states: torch.Tensor, u: int) -> bool:
-        """Whether hidden_states are what the step's micro-batch u sends."""
-        return (hidden_states.dtype == self.dtype and list(hidden_states.shape)
-                == [self.plan.num_tokens[u], self.hidden_size])
+    def _outside_a_real_step(self, layer_idx: int, hidden_states: torch.Tensor,
+                             out: torch.Tensor | None) -> torch.Tensor:
+        """Profile, warm-up and capture runs: shapes only, zeros; outside any
+        step, the runner's error."""
+        if self.plan is None:
+            raise RuntimeError(f"AFD attention rank {self.rank}: remote FFN layer "
+                               f"{layer_idx} called outside a step; the model runner names "
+                               f"every forward pass (begin_step)")
+        if out is None:
+            return torch.zeros_like(hidden_states, memory_format=torch.contiguous_format)
+        return out.zero_()
+
+    def _send_failed(self, step: Step, layer_idx: int, u: int, hidden_states: torch.Tensor,
+                     error: Exception) -> float:
+        """A send that raised: the caller's hidden states refused before
+        anything was sent are the caller's error (re-raised: every member would
+        refuse them alike, and all would be dropped); anything else moves the
+        step to another member, which was sent this call too. When it failed."""
+        if (isinstance(error, ValueError) and not isinstance(error, ProtocolError)
+                and not self._sendable(hidden_states, step.num_tokens[u])):
+            del step.in_flight[u]
+            raise error
+        failed_at = now()
+        self.resume.take_over(step, step.member, error, f"layer {layer_idx} micro-batch {u}")
+        return failed_at
+
+    def _recover(self, step: Step, layer_idx: int, u: int, hidden_states: torch.Tensor,
+                 out: torch.Tensor, error: Exception, failed_at: float | None
+                 ) -> tuple[float | None, torch.Tensor | None]:
+        """recv_call raised: receive (layer_idx, u)'s output anyway, failing
+        over as often as members are lost (AFDLinkDown when none is left).
+        The connector refuses an `out` it cannot fill (strided, another shape
+        or dtype) before it receives anything: the caller's buffer, not the
+        link, so no failover; the output then comes in the transport's
+        buffer, for the caller to copy into out. When the first failure was
+        (None: no failover), and that output (None: it is in out)."""
+        where = f"layer {layer_idx} micro-batch {u}"
+        staged = False  # receiving into the transport's buffer instead of out
+        while True:
+            if (not staged and isinstance(error, ValueError)
+                    and not self._fits(out, hidden_states)):
+                staged = True
+            else:
+                failed_at = failed_at or now()
+                self.resume.take_over(step, step.member, error, where)
+            try:
+                if not staged:
+                    step.lead.recv_call(layer_idx, u, out)
+                    return failed_at, None
+                return failed_at, step.lead.recv_call(layer_idx, u)
+            except Exception as e:  # noqa: BLE001 - the next member's turn
+                error = e
+
+    def _copy_staged(self, layer_idx: int, u: int, output: torch.Tensor,
+                     out: torch.Tensor) -> None:
+        """An output received in the transport's buffer, into the caller's
+        `out` (the call is counted: the link stays in step either way)."""
+        if out.shape != output.shape or out.dtype != output.dtype:
+            raise ValueError(
+                f"AFD attention rank {self.rank}: the output buffer of layer {layer_idx} "
+                f"micro-batch {u} is {list(out.shape)} {out.dtype}, the output "
+                f"{list(output.shape)} {output.dtype} (the link stays in step)")
+        out.copy_(output)  # a strided `out`: the values land where it says
+
+    def _sendable(self, hidden_states: torch.Tensor, num_tokens: int) -> bool:
+        """Whether hidden_states are what a micro-batch of num_tokens sends."""
+        return (hidden_states.dtype == self.dtype
+                and list(hidden_states.shape) == [num_tokens, self.hidden_size])
 
     def _fits(self, out: torch.Tensor, hidden_states: torch.Tensor) -> bool:
         """Whether the transport can write layer outputs straight into `out`."""
         return (out.shape == hidden_states.shape and out.dtype == self.dtype
                 and out.is_contiguous())
-
-    def _fail_over(self, failed, error: BaseException, where: str):
-        """A step lost `failed` at `where`: drop it (its thread reconnects) and
-        finish the step on another ready member, resuming each micro-batch where
-        it was: a StepHeader with from_layer, then every layer call in flight
-        sent again, in the order the FFN serves them. The new member, or
-        AFDLinkDown when no member is left (the step's requests fail)."""
-        with self._lock:
-            if self._member is not failed:  # another micro-batch moved the step already
-                if self._member is None:
-                    raise AFDLinkDown(self.unavailable_reason()) from error
-                return self._member
-            failed.failed_over += 1
-            failed.fail(error)
-        lost = f"{failed.name} at {where} of step {self.step_id}: {error}"
-        while True:
-            with self._lock:
-                member = self.pool.next_member(exclude=failed)
-                self._member = member
-            if member is None:
-                logger.error("AFD attention rank %d: lost %s; no other FFN server is up: "
-                             "failing the step's requests", self.rank, lost)
-                self._wake.set()
-                raise AFDLinkDown(f"AFD attention rank {self.rank}: lost the link to "
-                                  f"{lost}") from error
-            pending = sorted(self._pending.items(), key=lambda item: (item[1][0], item[0]))
-            try:
-                member.send_step(StepHeader(step_id=self.step_id,
-                                            num_tokens=list(self.plan.num_tokens),
-                                            from_layer=self._resume_layers()))
-                member.steps += 1
-                for u, (layer, hidden_states, routing) in pending:
-                    member.send_hidden(layer, u, hidden_states, routing)
-            except Exception as e:  # noqa: BLE001 - this one is lost too: the next
-                with self._lock:
-                    member.failed_over += 1
-                    member.fail(e)
-                continue
-            self.failovers += 1
-            self.resent_calls += len(pending)
-            logger.warning("AFD attention rank %d: lost %s; step resumed on %s (%d layer "
-                           "call(s) sent again)", self.rank, lost, member.name, len(pending))
-            self._publish()
-            return member
-
-    def _resume_layers(self) -> list[int]:
-        """Per micro-batch, the first layer the member taking over serves: the
-        one in flight, else the next one it will send (past the last: done)."""
-        layers = []
-        for u, done in enumerate(self._done):
-            if u in self._pending:
-                layers.append(self._pending[u][0])
-            else:
-                layers.append(self.layers[done] if done < len(self.layers)
-                              else self.layers[-1] + 1)
-        return layers
 
     def end_step(self, failed: bool = False) -> None:
         """End the forward pass begun by begin_step. A real step that did not
@@ -580,38 +432,29 @@ class AttentionLink:
             self._publish()
 
     def _end_step(self, failed: bool) -> None:
-        plan, self.plan = self.plan, None
-        member, self._member = self._member, None
-        self._pending = {}
-        if self._fast_lead is not None:
-            # The prepared calls' time was counted as waiting: their sends' part.
-            sent = self._fast_lead.take_exchange_send_s()
-            self.stats.send_s += sent
-            self.stats.wait_s -= sent
-        self._fast = self._fast_ubatches = self._fast_lead = None
-        for elapsed in self._round_trips:
-            self.round_trip.observe(elapsed)
-        self._round_trips.clear()
-        if plan is None or not plan.is_real:
+        step, self.step, self.plan = self.step, None, None
+        if step is None:
             return  # dummy runs never time a micro-batch choice
-        lead = member.lead if member is not None else None
+        for elapsed in step.round_trips:
+            self.round_trip.observe(elapsed)
+        member, lead = step.member, step.lead
         if lead is not None:  # the spin counters of the lead's link (a new one from 0)
             if self._spin_link is not lead:
                 self._spin_link, self._spin_seen = lead, [0, 0]
             self.stats.add_spin(self._spin_seen, lead.spin_counters())
+        ok = step.finished and not failed
         if self.ubatch_rule is not None:
-            self.ubatch_rule.finish_step(ok=self._step_calls_left == 0 and not failed)
-        if self._step_calls_left == 0 and not failed:
+            self.ubatch_rule.finish_step(ok=ok)
+        if ok:
             self.stats.steps += 1
-            self.stats.step_wall_s += now() - self._step_start
+            self.stats.step_wall_s += now() - step.started
             return
-        if self._step_calls_left and member is not None and member.ready:
-            reason = (f"the attention side abandoned step {self.step_id} with "
-                      f"{self._step_calls_left} layer call(s) left")
+        if not step.finished and member is not None and member.ready:
+            reason = (f"the attention side abandoned step {step.id} with "
+                      f"{step.calls_left} layer call(s) left")
             logger.warning("AFD attention rank %d: %s; reconnecting", self.rank, reason)
             with self._lock:
                 member.fail(None, report=reason)
-        self._step_calls_left = 0
 
     # ------------------------------------------------------------- reporting
     def document(self) -> dict:
@@ -630,10 +473,7 @@ class AttentionLink:
                 "spin_backoffs": stats.spin_backoffs,
                 "dummy_runs": dict(self.dummy_runs),
                 "layer_round_trip_seconds": self.round_trip.as_dict(),
-                "pool": members, "failovers": self.failovers,
-                "resent_layer_calls": self.resent_calls,
-                "failover_seconds": self.failover_time.as_dict(),
-                "last_failover_seconds": list(self.last_failovers),
+                "pool": members, **self.resume.document(),
                 "ubatches": self.ubatch_rule.document() if self.ubatch_rule else None}
 
     def _publish(self) -> None:

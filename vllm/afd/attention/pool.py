@@ -78,11 +78,13 @@ class PoolMember:
             c.send_step(header)
         self.lead.send_step(header)
 
-    def send_hidden(self, layer: int, ubatch: int, hidden_states, routing: Routing | None):
-        # Every member of an expert-parallel FFN group gets the routing.
+    def send_call(self, layer: int, ubatch: int, hidden_states, routing: Routing | None = None):
+        """A layer call's hidden states to the whole FFN group: the followers
+        compute without answering, the lead answers (its recv_call). Every
+        member of an expert-parallel group gets the routing."""
         for c in self.followers:
             c.send_hidden(layer, ubatch, hidden_states, expect_output=False, routing=routing)
-        self.lead.send_hidden(layer, ubatch, hidden_states, routing=routing)
+        self.lead.send_call(layer, ubatch, hidden_states, routing)
 
     # ---------------------------------------------------------- supervision
     def start(self) -> None:

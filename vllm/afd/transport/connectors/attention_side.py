@@ -99,28 +99,21 @@ class AttentionSide:
         self._in_flight.popleft()
         return result
 
-    # send_hidden + recv_output(out=out) of a step's layer calls, prepared when
-    # the step was sent, for transports that have it (step_calls.py): cheaper
-    # calls for the same protocol. Used for steps of one micro-batch.
-    def exchange_prepared(self) -> bool:
-        """Whether prepared_send/prepared_recv can carry the current step's calls."""
-        return False
+    # The step channel: a layer call's two halves as the link makes them, one
+    # micro-batch's call in flight at a time. Here the general path (the
+    # reference every transport's answers match); connectors whose message
+    # ends this host posts override them with their prepared calls
+    # (step_calls.py), which keep this path for what they do not take.
+    def send_call(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
+                  routing: wire.Routing | None = None) -> None:
+        """send_hidden(layer_id, ubatch_id, h, routing=routing), answered by
+        recv_call."""
+        self.send_hidden(layer_id, ubatch_id, h, routing=routing)
 
-    def prepared_send(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
-                      out: torch.Tensor | None, routing: wire.Routing | None = None) -> bool:
-        """send_hidden(layer_id, ubatch_id, h, routing=routing), with out the
-        output's buffer to come; False: nothing was sent (send_hidden and
-        recv_output as usual)."""
-        return False
-
-    def prepared_recv(self, layer_id: int, ubatch_id: int, out: torch.Tensor) -> bool:
-        """After prepared_send: the output, into out. False: not (yet) there,
-        recv_output(layer_id, ubatch_id, out=out) takes over."""
-        raise ValueError(f"{self.me}: prepared_recv without prepared_send")
-
-    def take_exchange_send_s(self) -> float:
-        """Seconds prepared_send spent sending since the last call (link statistics)."""
-        return 0.0
+    def recv_call(self, layer_id: int, ubatch_id: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """The output of send_call's (layer_id, ubatch_id): recv_output's."""
+        return self.recv_output(layer_id, ubatch_id, out=out)
 
     # ------------------------------------------------------------- internals
     def _current_step(self, ubatch_id: int) -> StepHeader:

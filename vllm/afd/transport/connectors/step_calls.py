@@ -15,9 +15,9 @@ FFN side): per micro-batch and direction the frame's bytes up to its payload
 payload goes and how it is encoded. A layer call is then one C call per
 message end (csrc/cpu/step_calls.cpp, one implementation for both transports):
 
-  attention  prepared_send(layer, u, h, out), then prepared_recv(layer, u, out):
-             send h; wait for the output and copy it into out (the link counts
-             the call in between, while the FFN computes)
+  attention  send_call(layer, u, h), then recv_call(layer, u, out): send h;
+             wait for the output and copy it into out (the link makes `out`
+             in between, while the FFN computes)
   FFN        reply_prepared(peer, layer, u, out), then recv_prepared(peer,
              next_layer, next_u): send this call's output; wait for the next
              call's hidden states (reply_and_recv does both; recv_hidden and
@@ -79,6 +79,9 @@ class StepCalls:
         # micro-batch a prepared.Ubatch), or None: the general path's step
         self._prepared: dict[int, tuple | None] = {}
         self._prepared_send_ns: dict[int, int] = {}  # send time already reported
+        # Attention side: micro-batch -> the layer whose call a C post sent
+        # (recv_call takes its answer the same way).
+        self._posted: dict[int, int] = {}
         self.fast_calls = 0  # message ends taken by C calls (tests, benchmarks)
         # Host tensors on a host connector: no staging, no slot events to settle.
         self._on_host = self.device.type == "cpu"
@@ -177,15 +180,31 @@ class StepCalls:
 
     # ------------------------------------------------------- attention side
     def send_step(self, header: wire.StepHeader) -> None:
+        if self._posted:
+            u, layer = next(iter(self._posted.items()))
+            raise ValueError(f"{self.me}: step {self._step.step_id} still waits for the "
+                             f"output of layer {layer} ubatch {u}")
         super().send_step(header)
         if self.is_attention:
             self._prepare(0, header)
 
-    def exchange_prepared(self) -> bool:
-        return self._prepared.get(0) is not None
+    def send_call(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
+                  routing: wire.Routing | None = None) -> None:
+        if self._post_hidden(layer_id, ubatch_id, h, routing):
+            self._posted[ubatch_id] = layer_id
+        else:
+            self.send_hidden(layer_id, ubatch_id, h, routing=routing)
 
-    def prepared_send(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
-                      out: torch.Tensor | None, routing: wire.Routing | None = None) -> bool:
+    def recv_call(self, layer_id: int, ubatch_id: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        if (self._posted.pop(ubatch_id, None) == layer_id
+                and self._take_output(layer_id, ubatch_id, out)):
+            return out
+        return self.recv_output(layer_id, ubatch_id, out=out)
+
+    def _post_hidden(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
+                     routing: "wire.Routing | None") -> bool:
+        """send_call's C post; False: nothing sent (send_hidden sends it)."""
         prepared = self._prepared.get(0)
         if prepared is None or self._in_flight or self._failure is not None:
             return False
@@ -195,7 +214,7 @@ class StepCalls:
         # tensor attribute 1-3 us after a layer's compute). What the copy needs
         # (host memory, contiguous, the frame's byte count) and the dtype;
         # nbytes, not shape: a tuple compare costs 4x an attribute. `out`'s are
-        # prepared_recv's, made while the FFN computes.
+        # _take_output's, made while the FFN computes.
         if not (h.dtype == self.dtype and h.nbytes == ub.nbytes and h.is_contiguous()):
             return False
         if h.is_cpu and self._on_host:
@@ -224,19 +243,19 @@ class StepCalls:
         self.fast_calls += 1
         return True
 
-    def prepared_recv(self, layer_id: int, ubatch_id: int, out: torch.Tensor) -> bool:
-        prepared = self._prepared.get(0)
-        if prepared is None:
-            raise ValueError(f"{self.me}: prepared_recv without prepared_send")
-        calls, C, ubatches = prepared
+    def _take_output(self, layer_id: int, ubatch_id: int, out: "torch.Tensor | None") -> bool:
+        """recv_call's C take of a posted call's output into out; False: the
+        general receive (recv_output) takes it, queued for it here."""
+        calls, C, ubatches = self._prepared[0]
         ub = ubatches[ubatch_id]
-        on_host, unstage = out.is_cpu and self._on_host, ub.unstage
-        # What the copy into `out` needs (as prepared_send's checks, made here
+        # What the copy into `out` needs (as _post_hidden's checks, made here
         # while the FFN computes); fp8 is unpacked into host memory by the C
         # call, on a device connector on the device (unstage). The general
-        # receive takes any other `out`.
-        if (out.dtype == self.dtype and out.nbytes == ub.nbytes and out.is_contiguous()
-                and (on_host or not self.receive_scale_group or unstage is not None)):
+        # receive takes any other `out` (None: its buffer's).
+        if out is not None and (
+                out.dtype == self.dtype and out.nbytes == ub.nbytes and out.is_contiguous()
+                and ((on_host := out.is_cpu and self._on_host) or not self.receive_scale_group
+                     or ub.unstage is not None)):
             # Counted before, so that nothing stands between the output's
             # arrival and the caller; undone when it does not come.
             self.bytes_received += ub.received
@@ -245,6 +264,7 @@ class StepCalls:
                                        else self._staged_target(0, ubatch_id))
             if status == 1:
                 if not on_host:  # staged: from the slot on the caller's stream
+                    unstage = ub.unstage
                     if unstage is None:
                         self._staged_slots(0).read(ubatch_id, self.dtype, ub.shape, out)
                     else:
@@ -259,9 +279,6 @@ class StepCalls:
         # The general receive takes over (recv_output: its wait, its errors).
         self._in_flight.append((layer_id, ubatch_id, ub.shape))
         return False
-
-    def take_exchange_send_s(self) -> float:
-        return self._prepared_send_s(0)
 
     # ------------------------------------------------------------- FFN side
     def recv_step(self, peer: int = 0, timeout_s: float | None = None) -> wire.StepHeader:
@@ -286,7 +303,7 @@ class StepCalls:
             return False
         calls, C, ubatches = prepared
         ub = ubatches[ubatch_id]
-        # Inline checks (see prepared_send): this is the path from the mlp to
+        # Inline checks (see _post_hidden): this is the path from the mlp to
         # the attention side.
         if not (out.dtype == self.dtype and out.nbytes == ub.nbytes and out.is_contiguous()):
             return False
