@@ -20,7 +20,7 @@
 # add `--network host --ipc host` to both, drop -p and the tcp settings.
 #
 # Stage `build` makes the wheel with the README's make target; the CUDA kernels are
-# compiled by the pinned toolchain (tools/cuda_toolchain.py: nvcc and the CUDA torch's
+# compiled by the pinned toolchain (tools/build/cuda_toolchain.py: nvcc and the CUDA torch's
 # headers from PyPI wheels), so it needs no CUDA base image and no GPU. Stage
 # `runtime` is a slim Python with that wheel installed, run as a non-root user; the
 # NVIDIA container runtime provides the driver. No secret is baked in: pass
@@ -38,7 +38,7 @@ RUN apt-get update \
 WORKDIR /src
 COPY . .
 RUN make env \
-    && VLLM_AFD_CUDA_TOOLCHAIN="$(.venv/bin/python tools/cuda_toolchain.py)" \
+    && VLLM_AFD_CUDA_TOOLCHAIN="$(.venv/bin/python tools/build/cuda_toolchain.py)" \
        make wheel FLAVOR=cuda
 
 FROM ${PYTHON_IMAGE} AS runtime

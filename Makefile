@@ -15,7 +15,7 @@ export VLLM_CACHE_ROOT := $(CURDIR)/build/vllm-cache
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 AFD_SOURCES := $(shell git ls-files vllm/afd csrc patches) setup.py pyproject.toml upstream.toml \
-	tools/vendor.py tools/series.py tools/upstream.py
+	tools/build/vendor.py tools/build/series.py tools/build/upstream.py
 WHEEL_STAMP := build/.installed-$(FLAVOR)
 CUDA_WHEEL_STAMP := build/.cuda-wheel
 CUDA_NEXT_STAMP := build/.cuda-wheel-next
@@ -25,15 +25,15 @@ MODELINFO_STAMP := build/.modelinfo-$(FLAVOR)
 .PHONY: help demo test test-full test-v2 test-mutations test-as-host cuda-wheel cuda-wheel-next bench plan-check bench-link bench-layer-call bench-launch bench-kernels bench-accuracy soak dev-test upstream-test env vendor wheel install models check-series docs rebase clean
 
 demo: $(WHEEL_STAMP) models
-	$(PY) tools/demo.py --models $(MODELS)
+	$(PY) tools/serving/demo.py --models $(MODELS)
 
 # Model Runner V2 on the CPU for the tests that ask (VLLM_AFD_TRITON_INTERPRET=1):
-# tools/triton_interpret, imported by a .pth line at every interpreter's start, does
+# tools/testing/triton_interpret, imported by a .pth line at every interpreter's start, does
 # nothing unless that variable is set.
 PURELIB = $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 TRITON_SHIM := $(VENV)/.triton-interpret
-$(TRITON_SHIM): $(VENV)/.stamp tools/triton_interpret/vllm_afd_triton_interpret.py
-	cp tools/triton_interpret/vllm_afd_triton_interpret.py "$(PURELIB)/"
+$(TRITON_SHIM): $(VENV)/.stamp tools/testing/triton_interpret/vllm_afd_triton_interpret.py
+	cp tools/testing/triton_interpret/vllm_afd_triton_interpret.py "$(PURELIB)/"
 	echo "import vllm_afd_triton_interpret" > "$(PURELIB)/vllm_afd_triton_interpret.pth"
 	touch $@
 
@@ -59,29 +59,29 @@ test-v2: $(WHEEL_STAMP) models $(MODELINFO_STAMP) $(TRITON_SHIM)
 	$(VENV)/bin/pytest -q tests/afd/test_runner_v2.py
 
 # Deliberate breakages of the claims that matter, each run against the tests that
-# guard it, which must fail (tools/mutations.py; report in build/mutations/).
+# guard it, which must fail (tools/testing/mutations.py; report in build/mutations/).
 # It edits the installed package in place and restores it: not beside another run.
 test-mutations: $(WHEEL_STAMP) models $(MODELINFO_STAMP)
-	$(PY) tools/mutations.py
+	$(PY) tools/testing/mutations.py
 
 # The same suite with the kernels an older x86 host chooses: HOST=avx2 (the AVX2-only
-# CI host) or HOST=avx512 (AVX-512 without bf16). tools/as_host/sitecustomize.py goes
+# CI host) or HOST=avx512 (AVX-512 without bf16). tools/testing/as_host/sitecustomize.py goes
 # into the environment, where it does nothing unless VLLM_AFD_AS_HOST is set.
 HOST ?= avx2
 test-as-host: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(CUDA_NEXT_STAMP) $(MODELINFO_STAMP) $(TRITON_SHIM)
-	cp tools/as_host/sitecustomize.py "$(PURELIB)/"
+	cp tools/testing/as_host/sitecustomize.py "$(PURELIB)/"
 	export VLLM_AFD_AS_HOST=$(HOST); $(SUITE)
 
 # The cuda flavor's wheel with its CUDA kernels (sm_80, sm_90), compiled here
-# without a GPU by the pinned toolchain (tools/cuda_toolchain.toml), once per
+# without a GPU by the pinned toolchain (tools/build/cuda_toolchain.toml), once per
 # change of the sources or pins; tests/packaging/test_cuda_wheel.py inspects it.
 # Without the toolchain (no network) the wheel is built without kernels, the
 # stamp is not written and the kernel test says why it skips.
-CUDA_WHEEL_DEPS = $(VENV)/.stamp $(AFD_SOURCES) tools/cuda_toolchain.py \
-	tools/cuda_toolchain.toml tools/cuda_wheel.py
+CUDA_WHEEL_DEPS = $(VENV)/.stamp $(AFD_SOURCES) tools/build/cuda_toolchain.py \
+	tools/build/cuda_toolchain.toml tools/build/cuda_wheel.py
 cuda-wheel: $(CUDA_WHEEL_STAMP)
 $(CUDA_WHEEL_STAMP): $(CUDA_WHEEL_DEPS)
-	$(PY) tools/cuda_wheel.py --stamp $@ >/dev/null
+	$(PY) tools/build/cuda_wheel.py --stamp $@ >/dev/null
 
 # The cuda wheel on each release a carried series waits for (patches/next/<version>/:
 # 0.34.0, whose torch is 2.14.0). `make test` builds it only from downloads already
@@ -89,16 +89,16 @@ $(CUDA_WHEEL_STAMP): $(CUDA_WHEEL_DEPS)
 # missing; `make cuda-wheel-next` downloads them and builds.
 CUDA_NEXT_DEPS = $(CUDA_WHEEL_DEPS) $(wildcard patches/next/*/* patches/next/*/*/*)
 $(CUDA_NEXT_STAMP): $(CUDA_NEXT_DEPS)
-	$(PY) tools/cuda_wheel.py --all-next --cached-only --stamp $@ >/dev/null
+	$(PY) tools/build/cuda_wheel.py --all-next --cached-only --stamp $@ >/dev/null
 cuda-wheel-next: $(CUDA_NEXT_DEPS)
-	$(PY) tools/cuda_wheel.py --all-next --stamp $(CUDA_NEXT_STAMP) >/dev/null
+	$(PY) tools/build/cuda_wheel.py --all-next --stamp $(CUDA_NEXT_STAMP) >/dev/null
 
 # AFD (1 attention core : 1 FFN core) against plain vLLM (both cores) on the bench
 # MoE model; ARGS=--quick for a short run. Results in benchmarks/results/.
 # matplotlib is pinned once, in setup.py's `bench` extra.
 BENCH_REQUIREMENTS = $(shell sed -n 's/^BENCH_REQUIREMENTS = \["\(.*\)"\]$$/\1/p' setup.py)
 bench: $(WHEEL_STAMP)
-	$(PY) tools/make_tiny_models.py --out $(MODELS) --models bench-qwen3-moe
+	$(PY) tools/models/make_tiny_models.py --out $(MODELS) --models bench-qwen3-moe
 	$(PIP) install -q $(BENCH_REQUIREMENTS)
 	$(PY) benchmarks/afd_vs_colocated.py $(ARGS)
 
@@ -108,7 +108,7 @@ bench: $(WHEEL_STAMP)
 # fatal), then the planner's tests (same host, strict xfail).
 CPU_PROFILE := benchmarks/results/cpu-profile.toml
 plan-check: $(WHEEL_STAMP)
-	$(PY) tools/make_tiny_models.py --out $(MODELS) --models bench-qwen3-moe
+	$(PY) tools/models/make_tiny_models.py --out $(MODELS) --models bench-qwen3-moe
 	$(PY) -m vllm.afd.deploy.commands plan --calibrate --out $(CPU_PROFILE) \
 		--calibrate-model $(MODELS)/bench-qwen3-moe
 	-$(PY) -m vllm.afd.deploy.commands plan --check-bench benchmarks/results/afd_vs_colocated.json \
@@ -142,7 +142,7 @@ bench-kernels: $(WHEEL_STAMP)
 # auto, fp8 to the FFN, fp8 both ways), 64 tokens x 8 prompts, the tiny models and
 # the bench model. Results in benchmarks/results/fp8_accuracy.json.
 bench-accuracy: $(WHEEL_STAMP) models
-	$(PY) tools/make_tiny_models.py --out $(MODELS) --models bench-qwen3-moe
+	$(PY) tools/models/make_tiny_models.py --out $(MODELS) --models bench-qwen3-moe
 	$(PY) benchmarks/fp8_accuracy.py --models $(MODELS) --model tiny-qwen3-moe \
 		--model tiny-deepseek-v2 --model tiny-deepseek-v3 --out-dir benchmarks/results --check
 	$(PY) benchmarks/fp8_accuracy.py --models $(MODELS) --model bench-qwen3-moe \
@@ -174,7 +174,7 @@ $(VENV)/.stamp: requirements/dev.txt
 	touch $@
 
 vendor: env
-	$(PY) tools/vendor.py --flavor $(FLAVOR) $(if $(FORCE),--force)
+	$(PY) tools/build/vendor.py --flavor $(FLAVOR) $(if $(FORCE),--force)
 
 wheel: env
 	VLLM_AFD_FLAVOR=$(FLAVOR) $(PIP) wheel . --no-deps --no-build-isolation -w dist/
@@ -190,48 +190,48 @@ $(WHEEL_STAMP): $(VENV)/.stamp $(AFD_SOURCES)
 	@mkdir -p build && touch $@
 
 models: $(VENV)/.stamp
-	$(PY) tools/make_tiny_models.py --out $(MODELS) --models tiny
+	$(PY) tools/models/make_tiny_models.py --out $(MODELS) --models tiny
 
 # vLLM's model-info cache for the tiny checkpoints' architectures, filled in
-# one process instead of one vLLM import per architecture (tools/warm_model_info.py).
+# one process instead of one vLLM import per architecture (tools/models/warm_model_info.py).
 # vLLM's model-info cache filled before the tests, for this tree and for stock
-# vLLM (the tests' reference, tools/stock.py, its own cache): cold, vLLM inspects
+# vLLM (the tests' reference, tools/models/stock.py, its own cache): cold, vLLM inspects
 # each architecture in a fresh subprocess (~15 s each on a 2-core VM).
-$(MODELINFO_STAMP): $(WHEEL_STAMP) tools/make_tiny_models.py tools/warm_model_info.py tools/stock.py \
-		tests/stand_ins/torchvision/__init__.py
-	PYTHONPATH=tests/stand_ins $(PY) tools/warm_model_info.py $(MODELS)
-	PYTHONPATH="$$($(PY) tools/stock.py):tests/stand_ins" \
-		VLLM_CACHE_ROOT=$(CURDIR)/build/stock/vllm-cache $(PY) tools/warm_model_info.py $(MODELS)
+$(MODELINFO_STAMP): $(WHEEL_STAMP) tools/models/make_tiny_models.py tools/models/warm_model_info.py \
+		tools/models/stock.py tests/stand_ins/torchvision/__init__.py
+	PYTHONPATH=tests/stand_ins $(PY) tools/models/warm_model_info.py $(MODELS)
+	PYTHONPATH="$$($(PY) tools/models/stock.py):tests/stand_ins" \
+		VLLM_CACHE_ROOT=$(CURDIR)/build/stock/vllm-cache $(PY) tools/models/warm_model_info.py $(MODELS)
 	touch $@
 
 # Fast loop while developing vllm/afd: test the vendored tree in place (the
 # installed wheel still provides the distribution metadata and requirements).
 dev-test: $(WHEEL_STAMP) models
-	$(PY) tools/vendor.py --flavor $(FLAVOR)
+	$(PY) tools/build/vendor.py --flavor $(FLAVOR)
 	VLLM_AFD_FLAVOR=$(FLAVOR) $(PY) setup.py -q build_ext --inplace
 	VLLM_AFD_TEST_SOURCE_TREE=1 PYTHONPATH=$(CURDIR) $(VENV)/bin/pytest -q $(ARGS)
 
 # Upstream vLLM's own tests of the modules our patches touch, stock wheel vs ours.
 upstream-test: $(WHEEL_STAMP)
-	$(PY) tools/upstream_tests.py
+	$(PY) tools/build/upstream_tests.py
 
 # Carry the series to a new upstream release (docs/rebase.md):
 #   make rebase VERSION=0.33.0 [FLAVOR=cuda] [WRITE=1]   report in build/rebase/report.md
 #   make rebase CONTINUE=1 [DROP="why" | WHY="why a gone file was left out"]
 #   make rebase ABORT=1                                    after a conflict
 rebase: env
-	$(PY) tools/rebase.py $(if $(CONTINUE),--continue,$(if $(ABORT),--abort,$(VERSION))) \
+	$(PY) tools/build/rebase.py $(if $(CONTINUE),--continue,$(if $(ABORT),--abort,$(VERSION))) \
 		$(if $(DROP),--drop '$(subst ','\'',$(DROP))') \
 		$(if $(WHY),--why '$(subst ','\'',$(WHY))') \
 		$(if $(filter command line environment,$(origin FLAVOR)),--flavor $(FLAVOR)) \
 		$(if $(WRITE),--write)
 
 check-series: env
-	$(PY) tools/check_series.py
+	$(PY) tools/build/check_series.py
 
 docs: env
-	$(PY) tools/check_series.py --write-docs
-	$(PY) tools/config_doc.py
+	$(PY) tools/build/check_series.py --write-docs
+	$(PY) tools/build/config_doc.py
 
 clean:
 	rm -rf build dist .vendor .pc .pc-* *.egg-info .venv-upstream

@@ -5,12 +5,12 @@
     VLLM_AFD_FLAVOR=cpu|cuda pip wheel .        (or python -m build --wheel, pip install .)
 
 The flavor (default cpu) picks the pinned base wheel in upstream.toml. The build
-vendors vllm/ first (tools/vendor.py, strict: hand edits that no patch records
+vendors vllm/ first (tools/build/vendor.py, strict: hand edits that no patch records
 stop the build), ships every upstream file including the base's native libraries
 (each one checked against the pinned wheel), and compiles vllm/afd/_C from csrc/:
 CPU kernels always, CUDA kernels where nvcc and a CUDA torch exist
 (VLLM_AFD_BUILD_CUDA=0 turns them off) or, for the cuda flavor, with the pinned
-toolchain that VLLM_AFD_CUDA_TOOLCHAIN names (tools/cuda_toolchain.py prints it),
+toolchain that VLLM_AFD_CUDA_TOOLCHAIN names (tools/build/cuda_toolchain.py prints it),
 Ascend kernels where CANN and torch_npu exist.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools" / "build"))
 from upstream import fetch_base_wheel, load_pin  # noqa: E402
 from vendor import STATE_DIR, vendor  # noqa: E402
 
@@ -131,7 +131,7 @@ def extensions():
     if build_cuda and toolchain and FLAVOR != "cuda":
         print(f"[vllm-afd] VLLM_AFD_CUDA_TOOLCHAIN ignored: flavor {FLAVOR}", file=sys.stderr)
     elif build_cuda and toolchain:
-        # tools/cuda_toolchain.py: nvcc from NVIDIA's wheels and the headers and
+        # tools/build/cuda_toolchain.py: nvcc from NVIDIA's wheels and the headers and
         # libraries of the CUDA torch, while the venv (which runs this script)
         # keeps its CPU torch. cpp_extension found no CUDA_HOME for a CPU torch;
         # it is the one global it reads to find nvcc and the CUDA headers.

@@ -5,7 +5,7 @@
     python benchmarks/afd_vs_colocated.py [--quick] [--batch-sizes 1,8,32,64]
         [--ubatches 1,2,3] [--max-tokens 32] [--repeats 3] [--out-dir DIR] [--model DIR]
 
-Model: build/models/bench-qwen3-moe (tools/make_tiny_models.py). Every engine
+Model: build/models/bench-qwen3-moe (tools/models/make_tiny_models.py). Every engine
 runs in its own subprocess, in eager mode:
 
   plain vLLM   one in-process LLM on cores 0-1 (VLLM_CPU_OMP_THREADS_BIND=0-1)
@@ -47,7 +47,7 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "serving"))
 from servers import Server, free_port  # noqa: E402
 
 from vllm.afd.observability.stats import LinkStats  # noqa: E402
@@ -120,8 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not (args.model / "config.json").is_file():
-        ap.error(f"no model at {args.model}; generate it with: python tools/make_tiny_models.py"
-                 f" --out build/models --models bench-qwen3-moe")
+        ap.error(f"no model at {args.model}; generate it with: python "
+                 "tools/models/make_tiny_models.py --out build/models --models bench-qwen3-moe")
     if any(not 1 <= m <= FFN_UBATCHES for m in args.ubatches):
         ap.error(f"--ubatches: each m must be in 1-{FFN_UBATCHES}")
     if any(not 1 <= b <= ENGINE_ARGS["max_num_seqs"] for b in args.batch_sizes):

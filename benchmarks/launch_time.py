@@ -4,7 +4,7 @@
 
     python benchmarks/launch_time.py [--models build/models] [--repeat 2] [--out DIR]
 
-A local one-node Ray cluster (tools/ray_head.py; its own start is not counted).
+A local one-node Ray cluster (tools/serving/ray_head.py; its own start is not counted).
 For 1A:1F (shm) and 2A:1F (tcp, with a secret), each repeat measures:
   by hand   the plan's exact command lines (vllm-afd launch --dry-run's), started
             together as plain processes, until every /health answers 200
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "serving"))
 
 from ray_head import RayHead  # noqa: E402
 from servers import cpu, free_port, http_get  # noqa: E402

@@ -68,7 +68,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "serving"))
 from servers import Server, cpu, free_port, process_tree_rss_kib  # noqa: E402
 
 NAME = "soak"
@@ -126,8 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.kill_ffn_every < 0 or args.ffn_down_s < 0:
         ap.error("--kill-ffn-every and --ffn-down-s must be >= 0")
     if not (args.model / "config.json").is_file():
-        ap.error(f"no model at {args.model}; generate it with: python tools/make_tiny_models.py"
-                 f" --out build/models --models tiny")
+        ap.error(f"no model at {args.model}; generate it with: python "
+                 "tools/models/make_tiny_models.py --out build/models --models tiny")
     if args.sample_s is None:
         args.sample_s = min(max(args.minutes, 1.0), 5.0)
     return args
@@ -891,11 +891,11 @@ def plot(res: dict, path: Path) -> None:
 
 # ====================================================================== main
 def plain_canary(model: str, logs: Path) -> str:
-    """The canary's greedy text from plain vLLM (tools/oracle.py, AFD off)."""
+    """The canary's greedy text from plain vLLM (tools/models/oracle.py, AFD off)."""
     import subprocess
 
     out = logs / "canary-plain.json"
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "oracle.py"), model,
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "models" / "oracle.py"), model,
                            "--out", str(out), "--prompt", CANARY["prompt"], "--max-tokens",
                            str(CANARY["max_tokens"])], capture_output=True, text=True,
                           timeout=600, env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0)))

@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
+# The tools the tests import by name (servers, preload, oracle, series, ...), from
+# each folder of tools/ (tools/README.md).
+TOOL_GROUPS = ("build", "models", "serving", "testing")
+sys.path[:0] = [str(REPO / "tools" / group) for group in TOOL_GROUPS]
 
 # The suite sets its own environment. What a user's shell may hold (the README's
 # `export VLLM_AFD_TOKEN=...`, another server's status directory, a forced model
@@ -27,12 +30,12 @@ for _name in CLEARED_ENV:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO / "build" / "vllm-cache"))
-# Python processes the tests start (`vllm serve`, tools/oracle.py, probes) are
+# Python processes the tests start (`vllm serve`, tools/models/oracle.py, probes) are
 # forked from a process per test worker that has imported vLLM already
-# (tools/preload.py): importing it costs 8-19 s of CPU per process on the CI
+# (tools/serving/preload.py): importing it costs 8-19 s of CPU per process on the CI
 # VMs, most of the suite's time otherwise. VLLM_AFD_TEST_PRELOAD=0 starts each
 # one fresh. Their engine processes are forked too, not spawned
-# (VLLM_AFD_TEST_FORK_SPAWN=1, tools/preload.py says what that changes); the
+# (VLLM_AFD_TEST_FORK_SPAWN=1, tools/serving/preload.py says what that changes); the
 # tests that must see vLLM's real start method set it to 0.
 os.environ.setdefault("VLLM_AFD_TEST_PRELOAD", "1")
 os.environ.setdefault("VLLM_AFD_TEST_FORK_SPAWN", "1")
@@ -49,7 +52,7 @@ def pytest_configure(config):
             raise pytest.UsageError(
                 f"VLLM_AFD_AS_HOST={as_host} but torch dispatches to "
                 f"{torch.backends.cpu.get_cpu_capability()}: run `make test-as-host "
-                f"HOST={as_host}` (it installs tools/as_host/sitecustomize.py)")
+                f"HOST={as_host}` (it installs tools/testing/as_host/sitecustomize.py)")
 
     spec = importlib.util.find_spec("vllm")
     if os.environ.get("VLLM_AFD_TEST_SOURCE_TREE") == "1":
@@ -85,7 +88,7 @@ def pytest_collection_modifyitems(config, items):
 # Which kernels the model tests ran (e.g. the DeepSeek MLA backend) and on
 # which model runner, printed at the end of the run: the suite runs on CPUs
 # that pick different kernels, and Model Runner V2 runs here only through
-# Triton's interpreter (tools/triton_interpret).
+# Triton's interpreter (tools/testing/triton_interpret).
 KERNEL_PATHS: set[str] = set()
 
 
@@ -111,7 +114,7 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("kernel paths and model runners")
         if os.environ.get("VLLM_AFD_AS_HOST"):
             terminalreporter.write_line(
-                f"chosen as on an {os.environ['VLLM_AFD_AS_HOST']} host (tools/as_host)")
+                f"chosen as on an {os.environ['VLLM_AFD_AS_HOST']} host (tools/testing/as_host)")
         for line in sorted(KERNEL_PATHS):
             terminalreporter.write_line(line)
 

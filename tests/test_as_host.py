@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""`make test-as-host`: tools/as_host/sitecustomize.py makes a process choose the
+"""`make test-as-host`: tools/testing/as_host/sitecustomize.py makes a process choose the
 kernels an older x86 host would: torch's dispatch, oneDNN's ISA and the library
 of vLLM's CPU kernels it loads (`_C_AVX2` on an AVX2-only host)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-AS_HOST = Path(__file__).resolve().parents[1] / "tools" / "as_host"
+AS_HOST = Path(__file__).resolve().parents[1] / "tools" / "testing" / "as_host"
 PROBE = """
 import json, os, torch
 from vllm.platforms import current_platform

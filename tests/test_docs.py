@@ -2,14 +2,14 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """The docs say what the code is, and only that.
 
-- docs/configuration.md is what tools/config_doc.py generates from AFDConfig's
+- docs/configuration.md is what tools/build/config_doc.py generates from AFDConfig's
   field docstrings and the connectors' extra_config_keys (as vLLM generates its
   config docs), it lists every field and key the installed code has, and it
   goes stale when a docstring changes;
 - no doc, docstring or comment names a vllm.afd module or a vllm/afd/ file
   that does not exist;
 - the seams have one inventory, docs/patches.md, generated from the series, and
-  tools/check_series.py holds seams.py's exports to what the patches call.
+  tools/build/check_series.py holds seams.py's exports to what the patches call.
 (That README and docs/ carry no dates is tests/test_readme.py's.)
 """
 
@@ -114,7 +114,7 @@ def test_a_field_or_key_without_a_docstring_is_refused(tmp_path):
 
 def test_the_generator_needs_no_vllm(tmp_path):
     """It reads the sources: it runs where nothing is installed (a docs build)."""
-    proc = subprocess.run(["python3", "-S", "-c", "import sys; sys.path.insert(0, 'tools'); "
+    proc = subprocess.run(["python3", "-S", "-c", "import sys; sys.path.insert(0, 'tools/build'); "
                            "import config_doc; print(len(config_doc.render()))"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and int(proc.stdout) > 1000, proc.stderr

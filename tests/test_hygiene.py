@@ -35,7 +35,7 @@ def test_no_fixed_core_numbers():
                  for n, line in enumerate(p.read_text().splitlines(), 1)
                  if pattern.search(line)]
     assert offenders == [], offenders
-    sys.path.insert(0, str(REPO / "tools"))
+    sys.path.insert(0, str(REPO / "tools" / "serving"))
     from servers import cpu
 
     allowed = {str(c) for c in os.sched_getaffinity(0)}

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""tools/mutations.py's list still fits the code (`make test-mutations` runs it):
+"""tools/testing/mutations.py's list still fits the code (`make test-mutations` runs it):
 every edit matches its file as it is, and every test it names exists."""
 
 import ast

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""tools/oracle.py --matrix runs each engine in a forked child (`in_child`): its
+"""tools/models/oracle.py --matrix runs each engine in a forked child (`in_child`): its
 result comes back as JSON, a failure as the child's traceback, a child killed
 or stuck as an error naming it, and never does a child return into the
 parent's loop. The matrices themselves are test_families*.py's."""

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""tools/preload.py: a process forked from the preloader sees what a fresh
+"""tools/serving/preload.py: a process forked from the preloader sees what a fresh
 `python ...` would (argv, environment, working directory, sys.path, __main__,
 streams, session, exit status, signals), only with vLLM imported already; a
 command it cannot be starts as a plain subprocess."""
@@ -187,7 +187,7 @@ def test_a_process_forked_for_spawn_holds_no_server_socket(tmp_path, fork_spawn)
     API server binds it before starting its engine core, and at shutdown its
     "who holds my port" check met a force-killed, unreaped worker holding it,
     and the server exited 1 (the soak test in CI). Fails without
-    tools/preload.py's _release_server_sockets ("forked holds holds")."""
+    tools/serving/preload.py's _release_server_sockets ("forked holds holds")."""
     (tmp_path / "spawn_probe.py").write_text(SPAWN_PROBE)
     env = dict(os.environ, VLLM_AFD_TEST_FORK_SPAWN=fork_spawn)
     proc = preload.popen([sys.executable, str(tmp_path / "spawn_probe.py")],

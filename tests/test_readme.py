@@ -245,7 +245,7 @@ def test_github_slugs():
     assert github_slug("Status and metrics") == "status-and-metrics"
 
 
-@pytest.mark.parametrize("page", [*PAGES, REPO / "tools" / "demo.py"],
+@pytest.mark.parametrize("page", [*PAGES, REPO / "tools" / "serving" / "demo.py"],
                          ids=lambda p: str(p.relative_to(REPO)))
 def test_relative_links_resolve(page):
     assert link_problems(page) == []
@@ -281,4 +281,4 @@ def test_make_help_lists_every_target():
     # `make` alone still runs the demo.
     dry = subprocess.run(["make", "-n", "--no-print-directory"], cwd=REPO,
                          capture_output=True, text=True, timeout=120).stdout
-    assert "tools/demo.py" in dry
+    assert "tools/serving/demo.py" in dry

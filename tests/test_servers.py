@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""tools/servers.py free_port(): two live processes never hand out one port.
+"""tools/serving/servers.py free_port(): two live processes never hand out one port.
 
 Each process walks the range below the kernel's ephemeral ports from a start
 spread by pid; the suite's two workers and their subprocesses meet there (a

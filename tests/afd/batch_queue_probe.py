@@ -27,7 +27,7 @@ from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
+sys.path[:0] = [str(REPO / "tools" / "models"), str(REPO / "tools" / "serving")]
 
 from oracle import PROMPTS  # noqa: E402
 from servers import Server, cpu, free_port  # noqa: E402

@@ -5,7 +5,7 @@
 No GPU here: where a rule is about asynchronous device work, a fake device
 (DeferredOps: copies that land later, on a worker thread, as a GPU's copies
 land after the host moved on) stands in for it, and the test says so. What
-only a GPU can show is in tools/gpu_check (stream-order, graphs).
+only a GPU can show is in tools/testing/gpu_check (stream-order, graphs).
 """
 
 import threading

@@ -2,15 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """Every supported model family through AFD, token for token (the model matrix).
 
-For each family's tiny checkpoint (tools/make_tiny_models.py): tools/oracle.py
+For each family's tiny checkpoint (tools/models/make_tiny_models.py): tools/models/oracle.py
 runs AFD with both roles in one process (loopback: the FFN engine built from the
 same checkpoint, only its FFN modules), and the greedy tokens must be those of
-stock vLLM (the untouched pinned wheel, tools/stock.py, run plain on every
+stock vLLM (the untouched pinned wheel, tools/models/stock.py, run plain on every
 family) and logprobs within 1e-5. Where a fix patch changes plain vLLM on
-purpose (tools/stock.py STOCK_DIFFERS) the reference is the patched tree's plain
+purpose (tools/models/stock.py STOCK_DIFFERS) the reference is the patched tree's plain
 run, and test_stock_differs_where_a_fix_patch_says shows stock's difference and
 that the patched answer is transformers'. One process start serves every
-family's runs (tools/oracle.py --matrix: each run in a child forked from it,
+family's runs (tools/models/oracle.py --matrix: each run in a child forked from it,
 never torn down), so a family costs 2-4 s beyond the first. One family per FFN
 group (MoE, dense) also runs against a real `vllm serve --afd-role ffn`
 process over shm (test_served_family_matches_plain). Qwen3-MoE and DeepSeek are
@@ -38,7 +38,7 @@ from helpers.families import ELSEWHERE, HYBRID, MATRIX, check_family, check_rout
 from helpers.oracle import assert_micro_batched, assert_same, ffn_server, ffn_stats, run_oracle
 
 REPO = Path(__file__).resolve().parents[2]
-ORACLE = REPO / "tools" / "oracle.py"
+ORACLE = REPO / "tools" / "models" / "oracle.py"
 
 TIMINGS: dict[str, float] = {}
 

@@ -24,7 +24,7 @@ servers:
 through the same FFN servers is test_pool.py's third act.)
 
 The reference answer is plain vLLM's (the oracle's in-process run of the same
-prompts, tools/oracle.py).
+prompts, tools/models/oracle.py).
 """
 
 import json
@@ -116,7 +116,7 @@ class Story:
     def real_spawn_pair(self) -> tuple[Server, Server]:
         """A fresh pair whose engine processes start as vLLM starts them
         (spawn), for the tests that SIGTERM a server and require exit 0. A
-        forked engine core (VLLM_AFD_TEST_FORK_SPAWN, tools/preload.py)
+        forked engine core (VLLM_AFD_TEST_FORK_SPAWN, tools/serving/preload.py)
         inherits the API server's listening socket, and vLLM's shutdown looks
         up who holds that port: a forked child exiting right then made the
         lookup raise (psutil.ZombieProcess), exit 1. Spawned ones hold nothing."""

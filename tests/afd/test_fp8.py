@@ -8,7 +8,7 @@ one checkpoint to the next (docs/fp8.md keeps the measurements as data). What
 does not depend on it, and what these tests hold, is that AFD applies exactly
 the codec docs/fp8.md states, where it states:
 
-- the codec, against tools/hf_reference.py's plain-torch e4m3 reference
+- the codec, against tools/models/hf_reference.py's plain-torch e4m3 reference
   (written from the stated format, not from vllm/afd): the op library's bytes
   and round trip on every CPU ISA, and what each side of a shm or tcp link
   receives, bit for bit, on random and edge inputs;
@@ -157,7 +157,7 @@ def test_served_fp8_is_the_reference_codec_on_the_model(models_dir, tmp_path, mo
                                                         transfer):
     """AFD (the attention role with its FFN engine in-process, loopback) with
     transfer_dtype fp8, 10 prompts x 32 greedy tokens, float32: transformers'
-    model of the same checkpoint with tools/hf_reference.py's codec hooked on
+    model of the same checkpoint with tools/models/hf_reference.py's codec hooked on
     each decoder mlp's input (to_ffn) and output (to_attention), fed AFD's
     tokens, chooses AFD's tokens and gives AFD's logprobs (median difference
     under MEDIAN_TOL). Without the hooks, or with the codec's divisor 440, the

@@ -6,7 +6,7 @@ server gets, the configurations AFD refuses, and the FFN role's memory.
 
 The CUDA case resolves a real VllmConfig with vLLM's CUDA platform object in
 a subprocess (its native extension stubbed: only configuration code runs, no
-kernel); what a captured graph does on a GPU is tools/gpu_check's.
+kernel); what a captured graph does on a GPU is tools/testing/gpu_check's.
 """
 
 import json

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""The data plane on its own: tools/gpu_check, run here with --device cpu.
+"""The data plane on its own: tools/testing/gpu_check, run here with --device cpu.
 
 The GPU check runs on a machine with torch and no vLLM. Here it runs the same
 way: the installed wheel's vllm/afd is copied into a tree whose `vllm` package
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-GPU_CHECK = REPO / "tools" / "gpu_check"
+GPU_CHECK = REPO / "tools" / "testing" / "gpu_check"
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +83,12 @@ def test_gpu_check_passes_on_cpu(data_plane_tree, kernel_paths):
         assert report[name]["status"] == "skip" and "CUDA" in report[name]["detail"]
     for name in ("harness-loopback", "harness-shm", "harness-tcp"):
         assert "m=4" in report[name]["detail"]
-    kernel_paths.add("tools/gpu_check --device cpu: " + ", ".join(
+    kernel_paths.add("tools/testing/gpu_check --device cpu: " + ", ".join(
         f"{n} {c['status']}" for n, c in report.items()))
 
 
 def test_the_device_script_runs_without_vllm(data_plane_tree, tmp_path):
-    """tools/gpu_check/device_run.sh, what a lent GPU machine runs (no vLLM
+    """tools/testing/gpu_check/device_run.sh, what a lent GPU machine runs (no vLLM
     there, and no time to debug): its shell parses, and its CUDA benchmark
     call, pointed at the CPU and shortened, runs in the tree without vLLM."""
     script = GPU_CHECK / "device_run.sh"

@@ -34,7 +34,8 @@ engine.shutdown()
 
 def test_the_loopback_ffn_engine_returns_warmed_up(models_dir):
     proc = preload.run(
-        [sys.executable, "-c", SCRIPT, str(models_dir / "tiny-qwen3-moe"), str(REPO / "tools")],
+        [sys.executable, "-c", SCRIPT, str(models_dir / "tiny-qwen3-moe"),
+         str(REPO / "tools" / "models")],
         capture_output=True, text=True, timeout=300,
         env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=cpu(0)))
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """The correctness oracle: plain vLLM and AFD give identical greedy tokens.
 
-Each case runs tools/oracle.py (an in-process LLM, 10 prompts of different
+Each case runs tools/models/oracle.py (an in-process LLM, 10 prompts of different
 lengths, a 64-token step budget so steps mix prefill and decode, fp32) once as
 plain vLLM and once as the attention role against a real `vllm serve --afd-role
 ffn` process (loopback: an FFN engine in the oracle's own process), and compares
@@ -58,7 +58,7 @@ def test_afd_matches_plain(models_dir, tmp_path, model_name, connector, compile_
     afd_config = {"connector": connector, "port": free_port(), "timeout_s": 60,
                   "num_ubatches": num_ubatches, "ubatch_policy": "fixed", "gate_on": gate_on}
     if connector == "loopback":
-        # Both roles in the oracle's process (tools/oracle.py starts the FFN engine).
+        # Both roles in the oracle's process (tools/models/oracle.py starts the FFN engine).
         assert not compile_model and num_ubatches == 1 and gate_on == "ffn"
         plain = plain_result(model, tmp_path, False, num_prompts)
         afd = loopback_result(model, tmp_path)
@@ -89,7 +89,7 @@ def test_deepseek_runs_the_same_mla_kernels_on_an_amx_host(models_dir, tmp_path,
     check answers yes; AMX itself cannot run here). Left to itself vLLM picks
     AMX_MLA there, which refuses the fp32 DeepSeek checkpoint in plain vLLM
     already: the failure CI met on such a host. With the backend the suite
-    pins (tools/oracle.py MLA_BACKEND), plain vLLM and AFD run CPU_MLA there
+    pins (tools/models/oracle.py MLA_BACKEND), plain vLLM and AFD run CPU_MLA there
     as on every other CPU, and agree token for token."""
     model = models_dir / "tiny-deepseek-v2"
     unpinned = preload.run(

@@ -102,7 +102,7 @@ def test_presets_add_up_to_the_published_size(name, total_b):
 
 
 def test_hf_config_of_the_bench_model_is_the_preset():
-    """tools/make_tiny_models.py's bench-qwen3-moe config, parsed, is the preset."""
+    """tools/models/make_tiny_models.py's bench-qwen3-moe config, parsed, is the preset."""
     cfg = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "head_dim": 128,
            "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
            "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 384,

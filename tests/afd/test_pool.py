@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """An attention rank with a pool of FFN servers (AFDConfig.ffn_pool), on the
-data plane with the reference decoder (tools/gpu_check): the FFN servers are
+data plane with the reference decoder (tools/testing/gpu_check): the FFN servers are
 real processes over shm, and one SIGKILLs itself at its k-th mlp call after
 warm-up, a kill -9 at a known point mid-step. The step still ends with exactly
 the reference decoder's output: the attention side sends the lost layer
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools" / "gpu_check"))
+sys.path.insert(0, str(REPO / "tools" / "testing" / "gpu_check"))
 
 from roles import MAX_UBATCHES, AttentionRole, FFNRole, sample_batch  # noqa: E402
 from servers import free_port  # noqa: E402

@@ -4,14 +4,14 @@
 
 V2 is vLLM's only model runner from 0.34.0 and CUDA's default in 0.32.0. On
 this CPU, vLLM 0.32.0 runs V2 only with a Triton CPU backend, which no package
-index these machines reach carries; tools/triton_interpret lets Triton's own
+index these machines reach carries; tools/testing/triton_interpret lets Triton's own
 interpreter run V2's kernels instead (numpy, slowly: a test vehicle, not a
 serving path). Every run here sets VLLM_AFD_TRITON_INTERPRET=1 and
 VLLM_USE_V2_MODEL_RUNNER=1 and checks that V2 really ran (the oracle's
 `runner`); the other model tests run V1, as vLLM 0.32.0 picks on a CPU.
 
 - the shim does nothing without its variable, and with it V2 starts;
-- the families on V2: stock vLLM 0.32.0 (its wheel untouched, tools/stock.py)
+- the families on V2: stock vLLM 0.32.0 (its wheel untouched, tools/models/stock.py)
   on V2 against AFD on V2, routers on either role (fp32; one in bf16);
 - served on V2: an FFN server over shm with two micro-batches and the routers
   on attention; a pool of two FFN servers, one killed mid-stream;
@@ -129,7 +129,7 @@ def test_family_on_v2_matches_stock_vllm_on_v2(models_dir, stock_v2, afd_v2, nam
     stock = _result(stock_v2, name, "plain")
     assert stock["vllm"]["afd"] is False and stock["vllm"]["version"] == "0.32.0"
     plain, afd = _result(afd_v2, name, "plain"), _result(afd_v2, name, "afd")
-    if name in STOCK_DIFFERS:  # a fix patch changes plain vLLM on purpose (tools/stock.py)
+    if name in STOCK_DIFFERS:  # a fix patch changes plain vLLM on purpose (tools/models/stock.py)
         for theirs, mine in zip(stock["results"], plain["results"]):
             assert theirs["token_ids"][0] == mine["token_ids"][0]
         assert stock["results"] != plain["results"]  # else STOCK_DIFFERS is stale

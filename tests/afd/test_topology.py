@@ -12,10 +12,10 @@ Every attention server in a deployment must give exactly plain vLLM's tokens:
          batches and answers, the follower runs the lead's plans), and the
          same with expert parallelism (4 of the 8 experts per rank) on vLLM's
          Ray executor
-Independent attention servers are in-process LLMs (tools/oracle.py) run side
+Independent attention servers are in-process LLMs (tools/models/oracle.py) run side
 by side, the data-parallel one a `vllm serve` answering the openai client; the
 FFN servers are `vllm serve --afd-role ffn` processes. The Ray cases use the
-session's local Ray head (tools/ray_head.py) and check that the workers really
+session's local Ray head (tools/serving/ray_head.py) and check that the workers really
 are its actors.
 """
 
@@ -46,7 +46,7 @@ MODEL = "tiny-qwen3-moe"
 
 
 def start_attention_servers(model: Path, tmp_path: Path, configs: list[dict]) -> list:
-    """tools/oracle.py once per attention config, all at the same time."""
+    """tools/models/oracle.py once per attention config, all at the same time."""
     procs = []
     for i, cfg in enumerate(configs):
         out = tmp_path / f"attention-{i}.json"

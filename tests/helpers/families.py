@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""The family matrices: every supported architecture through tools/oracle.py,
+"""The family matrices: every supported architecture through tools/models/oracle.py,
 against stock vLLM (or the patched tree where a fix patch changes plain vLLM)."""
 
 import json
@@ -17,7 +17,7 @@ from servers import cpu
 from stock import STOCK_DIFFERS, run_plain
 
 
-# checkpoint (tools/make_tiny_models.py) -> its architecture
+# checkpoint (tools/models/make_tiny_models.py) -> its architecture
 MATRIX = {
     "tiny-mixtral": "MixtralForCausalLM",
     "tiny-qwen2-moe": "Qwen2MoeForCausalLM",
@@ -93,7 +93,7 @@ def reference(matrix: Path, name: str) -> dict:
     assert not error.exists(), error.read_text()[-4000:]
     plain = json.loads((matrix / which / f"{name}.plain.json").read_text())
     assert plain["link_stats"] is None  # plain: AFD off
-    # stock: the untouched wheel's package (tools/stock.py), which has no AFD
+    # stock: the untouched wheel's package (tools/models/stock.py), which has no AFD
     assert ("/build/stock/" in plain["vllm"]["file"]) == (which == "stock"), plain["vllm"]
     assert plain["vllm"]["afd"] == (which == "patched"), plain["vllm"]
     return plain

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""tools/oracle.py's runs (plain vLLM, AFD over loopback, AFD against a real FFN
+"""tools/models/oracle.py's runs (plain vLLM, AFD over loopback, AFD against a real FFN
 server) and the checks of their results."""
 
 import json
@@ -23,7 +23,7 @@ _loopback_cache: dict[str, dict] = {}
 REPO = Path(__file__).resolve().parents[2]
 
 
-ORACLE = REPO / "tools" / "oracle.py"
+ORACLE = REPO / "tools" / "models" / "oracle.py"
 
 
 LOGPROB_TOL = 1e-5

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""Tests for tools/make_tiny_models.py: determinism, tokenizer, vLLM loading."""
+"""Tests for tools/models/make_tiny_models.py: determinism, tokenizer, vLLM loading."""
 
 import hashlib
 import importlib.util
@@ -19,9 +19,9 @@ N_TOKENS = 8
 
 
 def _load_generator():
-    # tools/ is not a package; load the script by path.
+    # tools/models/ is not a package; load the script by path.
     spec = importlib.util.spec_from_file_location(
-        "make_tiny_models", REPO / "tools" / "make_tiny_models.py")
+        "make_tiny_models", REPO / "tools" / "models" / "make_tiny_models.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""tools/make_tiny_models.py's further model families: each generated config
+"""tools/models/make_tiny_models.py's further model families: each generated config
 loads with transformers, and each checkpoint is exactly the HF layout, so that
 transformers' own loader consumes every tensor and misses none.
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import make_tiny_models as gen  # tools/ is on sys.path (tests/conftest.py)
+import make_tiny_models as gen  # tools/models is on sys.path (tests/conftest.py)
 
 
 # name -> (transformers config class, model_type, FFN attribute of the layers)

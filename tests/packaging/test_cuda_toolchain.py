@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""The CUDA toolchain's pins (tools/cuda_toolchain.toml): a CUDA torch for each
+"""The CUDA toolchain's pins (tools/build/cuda_toolchain.toml): a CUDA torch for each
 vLLM we build on, built for the toolchain's CUDA release, and a build that names
 what is missing instead of compiling against the wrong torch."""
 

@@ -3,7 +3,7 @@ kernels for sm_80 and sm_90: on the pinned vLLM, and on each release a carried
 series waits for in patches/next/ (0.34.0: Model Runner V2 only, torch 2.14.0).
 
 The wheels are built before pytest starts (make test -> make cuda-wheel and the
-waiting releases' cuda wheels, tools/cuda_wheel.py, in scratch copies of the
+waiting releases' cuda wheels, tools/build/cuda_wheel.py, in scratch copies of the
 checkout, so the repository's vendored flavor is left alone): their nvcc
 compiles stay out of the suite's time. Run alone, without make, the first test
 here builds the pinned one; a waiting release's is built only from downloads
@@ -11,7 +11,7 @@ already cached (its base wheel, the CUDA torch it pins: 1 GB), and its tests
 skip naming what is missing otherwise (make cuda-wheel-next downloads them).
 Without the pinned CUDA toolchain (no network) the wheel carries the CPU kernels
 only and the kernel test skips, saying why; the kernels run (against the CPU
-ones) on a lent GPU: tools/gpu_check.
+ones) on a lent GPU: tools/testing/gpu_check.
 """
 
 import re
@@ -36,7 +36,7 @@ def cuda_wheel(repo, request) -> dict:
     version = None if request.param == "pinned" else request.param
     report = read_report(version)
     if report is None:  # not built by make: build it now (minutes)
-        cmd = [sys.executable, str(repo / "tools" / "cuda_wheel.py")]
+        cmd = [sys.executable, str(repo / "tools" / "build" / "cuda_wheel.py")]
         if version is not None:
             cmd += ["--next", version, "--cached-only"]
         proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=2400)

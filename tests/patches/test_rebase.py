@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""tools/rebase.py on small fixture upstreams built here: three releases of a
+"""tools/build/rebase.py on small fixture upstreams built here: three releases of a
 six-file `vllm` package, wheels of two flavors, and a series of six patches (five
 common, one cuda) that meet every case: clean, offset, three-way merge, adjacent
 edits, now upstream, real conflict; and the resolutions that are kept (a hand
@@ -452,7 +452,7 @@ def test_drop_is_recorded_and_the_series_waits_in_patches_next(project, capsys):
         assert read_series(nxt / "series.cuda") == ["cuda/fix_version_afd.patch"]
         assert not (nxt / "feat_config_afd.patch").exists()
         # The pin as it will be, for the flavor that has 4.0.0 (the cuda wheel on
-        # it builds from this directory: tools/cuda_wheel.py --next 4.0.0).
+        # it builds from this directory: tools/build/cuda_wheel.py --next 4.0.0).
         pin = load_pin(nxt)
         assert pin.version == "4.0.0" and list(pin.flavors) == ["cuda"]
         assert pin.flavor("cuda").wheel == f"vllm-4.0.0-cp38-abi3-{PLATFORM}.whl"

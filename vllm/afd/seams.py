@@ -9,7 +9,7 @@ is off. Imports are lazy: upstream's platform detection and CLI import this
 module early, and must not pull in the rest of vllm/afd.
 
 Which patch calls which seam, in which upstream file: docs/patches.md,
-generated from the series (`make docs`); tools/check_series.py fails when a
+generated from the series (`make docs`); tools/build/check_series.py fails when a
 patch calls a name missing from __all__ below, or a name there is called by
 no patch.
 """

@@ -9,7 +9,7 @@ import json
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-# Written by tools/vendor.py next to the vendored tree and shipped in the wheel.
+# Written by tools/build/vendor.py next to the vendored tree and shipped in the wheel.
 _INFO_PATH = Path(__file__).resolve().parent.parent / "_afd_vendor.json"
 
 # Distribution names that may provide the `vllm` package, in the order we trust

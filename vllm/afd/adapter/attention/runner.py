@@ -78,7 +78,7 @@ def install_link(link: AttentionLink) -> None:
 
 def close_link() -> None:
     """Close and forget this process's link: an engine started after this one
-    in the same process (tools/oracle.py --matrix) links anew."""
+    in the same process (tools/models/oracle.py --matrix) links anew."""
     global _link
     with _link_lock:
         link, _link = _link, None

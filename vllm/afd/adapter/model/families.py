@@ -18,7 +18,7 @@ an unsupported model fails at start-up with its name and the reason, on both
 roles, before any weight is read.
 
 Adding a model: mark its FFN construction in the patch, add a Family here, a
-tiny checkpoint to tools/make_tiny_models.py and a row to the oracle matrix
+tiny checkpoint to tools/models/make_tiny_models.py and a row to the oracle matrix
 (tests/afd/test_families.py); README "Supported models" lists them.
 """
 

@@ -55,7 +55,7 @@ def bench_model(bench: dict) -> ModelShape:
     config = Path(m["path"]) / "config.json"
     if config.is_file():  # the full shape (heads, vocab) when the model is here
         cfg = {**json.loads(config.read_text()), **cfg}
-    else:  # the repo's bench model (tools/make_tiny_models.py)
+    else:  # the repo's bench model (tools/models/make_tiny_models.py)
         from vllm.afd.deploy.planner.model import PRESETS
 
         preset = PRESETS["bench-qwen3-moe"]

@@ -63,7 +63,7 @@ BANDWIDTH_BUFFER_BYTES = 256 << 20
 DENSE_SHAPES = ((3072, 2048), (2048, 2048))
 DENSE_WEIGHT_SETS = 8
 # vLLM's CPU MoE kernel: experts, top-k, hidden, intermediate of the bench model
-# (tools/make_tiny_models.py bench-qwen3-moe), tokens per call, weight sets rotated
+# (tools/models/make_tiny_models.py bench-qwen3-moe), tokens per call, weight sets rotated
 MOE_SHAPE = (16, 4, 2048, 384)
 MOE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MOE_WEIGHT_SETS = 4

@@ -177,7 +177,7 @@ PRESETS: dict[str, ModelShape] = {
         name="step3", hidden=7168, layers=61, vocab=128815, heads=64, kv_heads=1, head_dim=256,
         q_lora_rank=2048, experts=48, top_k=3, moe_intermediate=5120, shared_intermediate=5120,
         dense_layers=5, dense_intermediate=18432, weight_dtype="fp8", a2f_dtype="fp8"),
-    # The repo's benchmark model (tools/make_tiny_models.py bench-qwen3-moe).
+    # The repo's benchmark model (tools/models/make_tiny_models.py bench-qwen3-moe).
     "bench-qwen3-moe": ModelShape(
         name="bench-qwen3-moe", hidden=2048, layers=8, vocab=1024, heads=16, kv_heads=4,
         head_dim=128, experts=16, top_k=4, moe_intermediate=384, weight_dtype="bf16"),

@@ -14,7 +14,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 FLAVORS = ("cpu", "cuda")
 # The only upstream files whose contents differ between the two base wheels;
 # only the flavor series (patches/series.<flavor>) may touch them.

@@ -14,7 +14,7 @@ so far). For each patch:
   droppable  the new upstream already contains its change (it reverse-applies, or
              the merge changes nothing): the series can drop it;
   reused     the merge conflicts, and every conflict has a resolution recorded
-             for this release (tools/resolutions.py): regenerated with them;
+             for this release (tools/build/resolutions.py): regenerated with them;
   dropped    a drop was recorded for this release at these very conflicts;
   conflict   the merge conflicts, or a file it touches is gone upstream: the
              conflicting files are left in `new` with git-style markers (and the
@@ -49,7 +49,7 @@ class Conflict:
     hunk: str  # the marked region, markers included
     reason: str = "both upstream and the patch changed these lines"
     kind: str = "hunk"  # or: gone, created, deleted (no hunk: nothing to key)
-    key: str = ""  # a hunk's key (tools/resolutions.py)
+    key: str = ""  # a hunk's key (tools/build/resolutions.py)
 
 
 @dataclass
@@ -197,7 +197,7 @@ def port_patch(patch: Patch, old: Path, new: Path, scratch: Path,
         apply_patch(old, patch)
     except SeriesError as e:
         raise SeriesError(f"{patch.name} does not apply to the old pin it was written for; "
-                          f"run tools/check_series.py first:\n{e}") from None
+                          f"run tools/build/check_series.py first:\n{e}") from None
 
     try:
         apply_patch(new, patch, dry_run=True)
@@ -233,7 +233,7 @@ def port_patch(patch: Patch, old: Path, new: Path, scratch: Path,
 
     _write_texts(new, resolved)
     if conflicts:
-        # What --continue records the hand resolution against (tools/resolutions.py).
+        # What --continue records the hand resolution against (tools/build/resolutions.py).
         _write_texts(scratch / "merged", merged)
         _write_texts(scratch / "preimage", resolved)
         where = ", ".join(f"{c.file}:{c.line}" for c in conflicts)

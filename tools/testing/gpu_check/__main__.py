@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """The GPU check: the AFD data plane on a device, without vLLM.
 
-    python tools/gpu_check [--device cuda|cpu] [--out report.json]
+    python tools/testing/gpu_check [--device cuda|cpu] [--out report.json]
         [--only NAME[,NAME]] [--skip NAME[,NAME]]
 
 One command for a machine that has torch (CUDA torch and nvcc for the GPU
@@ -13,9 +13,9 @@ so only the device-specific lines go unexercised without a GPU.
 
 On the project's lent H200 (tools: device `run`), from the repository root, with
 msgspec carried as a wheel for that machine's Python 3.12 (.whl, ignored by git),
-this check and the GPU benchmark in one command (tools/gpu_check/device_run.sh):
+this check and the GPU benchmark in one command (tools/testing/gpu_check/device_run.sh):
 
-    bash tools/gpu_check/device_run.sh       # results in $OUT
+    bash tools/testing/gpu_check/device_run.sh       # results in $OUT
 
 (the check about a minute on the H200, the op library's build 17-31 s of it;
 the script about two; their output goes in the session note). First run there on 2026-12-04:
@@ -59,9 +59,9 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+REPO = HERE.parents[2]
 sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(HERE.parent))  # tools/: servers.free_port
+sys.path.insert(1, str(HERE.parents[1] / "serving"))  # tools/serving: servers.free_port
 if "vllm" not in sys.modules and not (Path.cwd() / "vllm" / "__init__.py").exists():
     sys.path.insert(0, str(REPO))  # the checkout's vllm/afd (a namespace package)
 

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """Greedy tokens and logprobs of a fixed prompt set, through plain vLLM or AFD.
 
-    python tools/oracle.py MODEL --out result.json [--afd-config JSON] [--compile]
+    python tools/models/oracle.py MODEL --out result.json [--afd-config JSON] [--compile]
         [--attention-backend NAME] [--fake-amx [all|linear]]
 
 Runs an in-process `LLM` (VLLM_ENABLE_V1_MULTIPROCESSING=0). With --afd-config
@@ -65,7 +65,7 @@ def kernel_report(worker) -> dict:
     import importlib.util
     from pathlib import Path
 
-    path = (Path(__file__).resolve().parent.parent / "vllm" / "afd" / "adapter" / "model"
+    path = (Path(__file__).resolve().parents[2] / "vllm" / "afd" / "adapter" / "model"
             / "kernel_paths.py")
     spec = importlib.util.spec_from_file_location("afd_kernel_report", path)
     module = importlib.util.module_from_spec(spec)
@@ -144,7 +144,8 @@ def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int
             "kernels": kernels, "ffn_kernels": ffn_kernels,
             "ubatches": (link or {}).get("ubatches"),
             "dtype": str(llm.llm_engine.vllm_config.model_config.dtype),
-            # Model Runner V1 or V2 (V2 on a CPU: Triton's interpreter, tools/triton_interpret)
+            # Model Runner V1 or V2 (V2 on a CPU: Triton's interpreter,
+            # tools/testing/triton_interpret)
             "runner": "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1",
             "amx": torch.cpu._is_amx_tile_supported()}
 

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """Materialize the pinned upstream vLLM into vllm/ and apply the patch series.
 
-    python tools/vendor.py [--flavor cpu|cuda] [--force] [--check]
+    python tools/build/vendor.py [--flavor cpu|cuda] [--force] [--check]
 
 The tree is built in a staging directory (extract the verified base wheel, apply
 patches/series then patches/series.<flavor> at zero fuzz) and swapped into vllm/

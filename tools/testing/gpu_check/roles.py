@@ -14,8 +14,8 @@ import os
 
 import torch
 
-from model import MoE, TinyMoEDecoder  # noqa: I001 (tools/gpu_check on sys.path)
-from servers import free_port  # noqa: F401  (tools/ on sys.path; race-free ports)
+from model import MoE, TinyMoEDecoder  # noqa: I001 (tools/testing/gpu_check on sys.path)
+from servers import free_port  # noqa: F401  (tools/serving on sys.path; race-free ports)
 from vllm.afd.attention.link import AttentionLink, StepPlan
 from vllm.afd.attention.pingpong import run_micro_batches
 from vllm.afd.ffn.loop import FFNLoop

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """Deliberate breakages, and the tests that must catch them.
 
-    python tools/mutations.py [--list] [--only NAME ...]     (make test-mutations)
+    python tools/testing/mutations.py [--list] [--only NAME ...]     (make test-mutations)
 
 Each mutation edits one file (the installed wheel's vllm/afd module, the vendored
 upstream tree the tests read, a committed result, the README), runs the tests
@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 OUT = REPO_ROOT / "build" / "mutations"
 
 

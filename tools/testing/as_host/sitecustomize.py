@@ -13,7 +13,7 @@ sitecustomize of chooses as that older host would: ATEN_CPU_CAPABILITY and
 ONEDNN_MAX_CPU_ISA cap torch's and oneDNN's dispatch, and the `torch.cpu` probes vLLM
 asks (`_is_avx512_supported`, `_is_amx_tile_supported`, ...) answer as that host's
 CPU. Only downward: the instructions still run on this CPU, so no host can pretend to
-have AMX or AVX512-BF16 that it lacks (`tools/oracle.py --fake-amx linear` runs the one
+have AMX or AVX512-BF16 that it lacks (`tools/models/oracle.py --fake-amx linear` runs the one
 AMX-host kernel that needs no tiles), and timings are this CPU's, not the older host's.
 Without the variable this file does nothing.
 """

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """Fill vLLM's model-info cache for the architectures of some checkpoints.
 
-    python tools/warm_model_info.py build/models
+    python tools/models/warm_model_info.py build/models
 
 Before vLLM builds a model it inspects the architecture's class (is it MoE,
 does it support LoRA, ...) in a fresh `python -m vllm.model_executor.models.registry`

@@ -3,7 +3,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 #
 # Everything this project checks and measures on a GPU machine without vLLM, in
-# one go (about 3 minutes on the H200): the GPU check (tools/gpu_check), then a
+# one go (about 3 minutes on the H200): the GPU check (tools/testing/gpu_check), then a
 # layer call through shm with CUDA tensors against the staging floor (and with the
 # staged path's variants: the send as before, blocking receives), then the same
 # on that host's CPU (benchmarks/layer_call.py). Run from the repository
@@ -11,7 +11,7 @@
 # that machine's Python in .whl/ is installed into /tmp/site). Writes to $OUT
 # (default /tmp/afd-gpu-out); exits with the GPU check's status.
 #
-#   bash tools/gpu_check/device_run.sh
+#   bash tools/testing/gpu_check/device_run.sh
 #
 # The wheel, fetched beforehand on a machine with an index (.whl/ is git-ignored
 # locally: echo /.whl/ >> .git/info/exclude), for the device's CPython 3.12:
@@ -29,7 +29,8 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
   nvcc --version | tail -1; lscpu | grep -E 'Model name|^CPU\(s\)'; } 2>&1 | tee "$OUT/machine.txt"
-timeout 300 python3 tools/gpu_check --out "$OUT/gpu-check.json" 2>&1 | tee "$OUT/gpu-check.log"
+timeout 300 python3 tools/testing/gpu_check --out "$OUT/gpu-check.json" 2>&1 \
+  | tee "$OUT/gpu-check.log"
 status=${PIPESTATUS[0]}
 # The op library the check built, for the benchmark's processes (kernels/ops.py).
 export VLLM_AFD_OP_LIBRARY=${AFD_GPU_CHECK_BUILD:-/tmp/afd-gpu-check-build}/cuda/afd_C.so

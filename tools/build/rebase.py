@@ -2,13 +2,13 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """Carry the patch series to a new vLLM release in one command.
 
-    python tools/rebase.py VERSION [--flavor cpu|cuda ...] [--write]
-    python tools/rebase.py --continue [--drop REASON] | --abort
+    python tools/build/rebase.py VERSION [--flavor cpu|cuda ...] [--write]
+    python tools/build/rebase.py --continue [--drop REASON] | --abort
     (make rebase VERSION=0.33.0 [FLAVOR=cuda] [WRITE=1], CONTINUE=1 [DROP=REASON])
 
 Per flavor: the pinned base wheel and the new release of the same distribution are
 unpacked side by side (build/rebase/<flavor>/{old,new}); every patch of the series
-is carried over in series order (tools/forward_port.py: clean, offset, merged,
+is carried over in series order (tools/build/forward_port.py: clean, offset, merged,
 droppable or conflict; fuzz is never used). A flavor whose new release does not
 exist is reported, not failed. The common patches are ported once, on the first
 flavor, and must then apply exactly to the other flavors.
@@ -16,7 +16,7 @@ flavor, and must then apply exactly to the other flavors.
 On a conflict the run stops at that patch: the conflicting files, with markers,
 are in build/rebase/<flavor>/new; fix them and run --continue (or drop the patch
 with --continue --drop REASON, or give up with --abort). --continue records the
-resolution or the drop in patches/resolutions/<version>/ (tools/resolutions.py),
+resolution or the drop in patches/resolutions/<version>/ (tools/build/resolutions.py),
 and a later run to the same release reuses it instead of stopping.
 At the end, build/rebase/report.{md,json} hold the per-patch report and the
 burden before and after. Nothing else outside build/rebase changes unless --write
@@ -289,7 +289,7 @@ class Rebase:
         if result.reused:
             print(f"[rebase] recorded resolution(s) already in place: {', '.join(result.reused)}")
         print("[rebase] fix those files (remove every marker), then run "
-              "`make rebase CONTINUE=1` (tools/rebase.py --continue); or drop the patch "
+              "`make rebase CONTINUE=1` (tools/build/rebase.py --continue); or drop the patch "
               "from the new series with `make rebase CONTINUE=1 DROP=\"why\"` "
               "(--continue --drop WHY); or give up with `make rebase ABORT=1` (--abort).")
 

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """`make demo`: the embedded tiny MoE model served by plain vLLM and by AFD.
 
-    python tools/demo.py [--models build/models] [--model tiny-qwen3-moe]
+    python tools/serving/demo.py [--models build/models] [--model tiny-qwen3-moe]
 
 1. plain `vllm serve`, one completion and one chat request, stop;
 2. `vllm serve --afd-role ffn` and `vllm serve --afd-role attention` (FFN and

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """Generate tiny random-weight HF checkpoints for offline tests and benchmarks.
 
-    python tools/make_tiny_models.py --out DIR [--seed 0] [--models all]
+    python tools/models/make_tiny_models.py --out DIR [--seed 0] [--models all]
                                      [--dtype bfloat16|float32]
 
 With a fixed torch/tokenizers/transformers install, the output is a pure

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""The pinned CUDA toolchain (tools/cuda_toolchain.toml) that compiles csrc/cuda
+"""The pinned CUDA toolchain (tools/build/cuda_toolchain.toml) that compiles csrc/cuda
 without a GPU, a system CUDA or a CUDA build of torch in the venv.
 
-    python tools/cuda_toolchain.py [--torch X]   fetch (once), check, extract; print its directory
+    python tools/build/cuda_toolchain.py [--torch X]
+        fetch (once), check, extract; print its directory
 
 The wheels are downloaded with pip into ~/.cache/vllm-afd/cuda (VLLM_AFD_CUDA_CACHE
 overrides), each checked against its sha256, and extracted under
@@ -33,7 +34,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PINS = Path(__file__).with_suffix(".toml")
 STAMP = ".extracted"  # inside each extracted part: the sha256 of what it holds
 # What a build needs from a CUDA torch wheel (under its torch/ folder).
@@ -194,7 +195,7 @@ def fetch(wheel: Wheel, quiet: bool = False) -> Path:
     digest = _sha256(cached)
     if digest != wheel.sha256:
         raise ToolchainError(f"sha256 mismatch for {cached}:\n  expected {wheel.sha256} "
-                             f"(tools/cuda_toolchain.toml)\n  got      {digest}\n"
+                             f"(tools/build/cuda_toolchain.toml)\n  got      {digest}\n"
                              "Refusing to use this file.")
     return cached
 
@@ -277,7 +278,7 @@ def load(root: Path, torch_version: str) -> Toolchain:
     if missing:
         raise ToolchainError(f"{root} is not an extracted CUDA toolchain for torch "
                              f"{torch_version} (missing {', '.join(map(str, missing))}); "
-                             f"run tools/cuda_toolchain.py --torch {torch_version}")
+                             f"run tools/build/cuda_toolchain.py --torch {torch_version}")
     return tc
 
 

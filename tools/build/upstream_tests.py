@@ -3,7 +3,7 @@
 """Upstream vLLM's own tests, stock wheel vs our wheel: the patches must not
 change what passes with AFD off.
 
-    python tools/upstream_tests.py [FILE ...]        (make upstream-test)
+    python tools/build/upstream_tests.py [FILE ...]        (make upstream-test)
 
 Runs the selected test files of the pinned sdist (tests of the modules our patch
 series touches that run on a CPU without a model hub) once in `.venv-upstream`

@@ -28,7 +28,7 @@ STATUSES = [s for s in _STATUS_WORDS if s != "conflict"]
 
 
 def summarize(state: dict, patches_dir: Path, ported: Callable[[str, str], str]) -> dict:
-    """The report of a finished run (state: tools/rebase.py's); ported(flavor, name)
+    """The report of a finished run (state: tools/build/rebase.py's); ported(flavor, name)
     is the patch as carried over, "" if it was not."""
     flavors = {}
     for flavor, entry in state["flavors"].items():
@@ -123,7 +123,7 @@ def write_next(patches_dir: Path, version: str, texts: dict[str, str],
     """The refreshed series in patches/next/<version>/ (the patches under their own
     names, `series` and `series.<flavor>` in order, without the gone ones), with
     `upstream.toml`, the pin as it will be for the flavors that have the release, for
-    a pin that cannot move yet: patches/ stays the pinned build's (tools/cuda_wheel.py
+    a pin that cannot move yet: patches/ stays the pinned build's (tools/build/cuda_wheel.py
     --next <version> builds from it). Returns the directory."""
     dest = patches_dir / "next" / version
     if dest.exists():
@@ -136,7 +136,7 @@ def write_next(patches_dir: Path, version: str, texts: dict[str, str],
         (dest / sf).write_text("".join(n + "\n" for n in names))
     (dest / "upstream.toml").write_text(
         f"# patches/next/{version}/: the pin once every flavor has {version}, for the "
-        "flavors\n# that have it now (make rebase wrote it; tools/cuda_wheel.py --next "
+        "flavors\n# that have it now (make rebase wrote it; tools/build/cuda_wheel.py --next "
         f"{version}\n# builds the cuda wheel from it and this series).\n" + pin_text)
     return dest
 
