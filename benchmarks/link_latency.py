@@ -8,7 +8,7 @@ every hidden state straight back: the link's own cost, no compute. Twice: as
 the attention link makes a layer call of a one-micro-batch step (`round_trip`:
 the connector's prepared calls: shm's lane, tcp's socket calls) and through
 send_hidden + recv_output (`round_trip_general`: micro-batched steps); the
-echo answers as the FFN loop does (reply_and_recv). Each size
+echo answers as the FFN loop does (take_call, reply_call). Each size
 runs `--iters` round trips after a warm-up; median, p10 and p99 are reported.
 Then the idle cost: the echo FFN waits for a step that does not come for
 `--idle-s` seconds, and the CPU time it burns meanwhile is measured (a link
@@ -87,15 +87,14 @@ def echo_ffn(connector: str, port: int, extra: dict, transfer: str, idle_s: floa
             if step.is_goodbye or step.is_shutdown:
                 break
             continue
-        # As the FFN loop does: each output sent and the next call's hidden
-        # states received in one connector call (prepared calls on shm); fp8
-        # hidden states come packed and are unpacked, as the batcher does.
-        h = ffn.recv_hidden(0, 0, 0)
-        for layer in range(LAYERS - 1):
-            h = ffn.reply_and_recv(0, layer, 0, h, layer + 1, 0)
+        # As the FFN loop does: each call's hidden states taken and its output
+        # replied through the step channel (prepared calls on shm and tcp);
+        # fp8 hidden states come packed and are unpacked, as the batcher does.
+        for layer in range(LAYERS):
+            h = ffn.take_call(0, layer, 0)
             if type(h) is not torch.Tensor:
                 h = h.tensor()
-        ffn.send_output(0, LAYERS - 1, 0, h)
+            ffn.reply_call(0, layer, 0, h)
     ffn.close()
 
 

@@ -85,7 +85,7 @@ def test_staged_prepared_calls_settle_the_slot_before_the_next_post(settled, mon
         out1, out2 = torch.zeros(4, H), torch.zeros(4, H)
         for layer, h, out in ((0, first, out1), (1, second, out2)):
             attn.send_call(layer, 0, h)
-            assert ffn.reply_prepared(0, layer, 0, ffn.recv_prepared(0, layer, 0).clone())
+            ffn.reply_call(0, layer, 0, ffn.take_call(0, layer, 0).clone())
             attn.recv_call(layer, 0, out)  # its copy is still in flight
         attn.ops.pool.shutdown(wait=True)
         assert attn.fast_calls == 4 and ffn.fast_calls == 4  # no general path taken
@@ -160,8 +160,8 @@ def test_a_staged_send_is_one_copy_that_has_landed_before_the_header(kind, lande
             attn.send_call(layer, 0, h)
             sends.append({k: v - before.get(k, 0) for k, v in attn.ops.calls.items()
                           if v != before.get(k, 0)})
-            got.append(ffn.recv_prepared(0, layer, 0).clone())
-            ffn.reply_prepared(0, layer, 0, got[-1])
+            got.append(ffn.take_call(0, layer, 0).clone())
+            ffn.reply_call(0, layer, 0, got[-1])
             attn.recv_call(layer, 0, torch.zeros(4, H))
         attn.ops.pool.shutdown(wait=True)
         attn.ops.writes.shutdown(wait=True)
@@ -170,7 +170,7 @@ def test_a_staged_send_is_one_copy_that_has_landed_before_the_header(kind, lande
         # first (a query on a GPU: the post lets the FFN write it again)
         # before its one copy. tcp settles its receive slot when it receives.
         settle = {"wait_host_settled": 1} if kind == "shm" else {}
-        assert attn.fast_calls == 6  # every send and receive a C call
+        assert attn.fast_calls == ffn.fast_calls == 6  # every message end a C call
         assert sends == [{"copy_to_host": 1}] + [{**settle, "copy_to_host": 1}] * 2, sends
         if landed:
             assert all(torch.equal(g, s) for g, s in zip(got, sent))

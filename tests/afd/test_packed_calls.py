@@ -75,16 +75,16 @@ def through_fp8(x: torch.Tensor) -> torch.Tensor:
 
 def serve(ffn, kinds: list) -> int:
     """As the FFN loop does (output = 2h + layer, plus sum(weights * ids) per
-    token when routing came): reply_and_recv between a step's first receive
-    and its last send; kinds gets what each receive gave (a tensor, or fp8
-    still packed: codec.Packed) and whether routing came."""
+    token when routing came): take_call and reply_call; kinds gets what each
+    receive gave (a tensor, or fp8 still packed: codec.Packed) and whether
+    routing came."""
     steps = 0
     while True:
         step = ffn.recv_step(0)
         if step.is_goodbye or step.is_shutdown:
             return steps
-        h = ffn.recv_hidden(0, 0, 0, defer=True)
         for layer in range(LAYERS):
+            h = ffn.take_call(0, layer, 0)
             routing = ffn.routing(0, 0)
             kinds.append((type(h).__name__, routing is not None))
             if type(h) is not torch.Tensor:
@@ -92,10 +92,7 @@ def serve(ffn, kinds: list) -> int:
             out = h * 2 + layer
             if routing is not None:
                 out = out + combine(routing)
-            if layer + 1 < LAYERS:
-                h = ffn.reply_and_recv(0, layer, 0, out, layer + 1, 0)
-            else:
-                ffn.send_output(0, layer, 0, out)
+            ffn.reply_call(0, layer, 0, out)
         steps += 1
 
 
@@ -388,9 +385,9 @@ def test_the_link_and_the_loop_take_prepared_calls_for_routed_fp8_steps(connecto
                    hidden_size=HIDDEN, dtype=DTYPE, max_tokens=32,
                    placement=FFNPlacement(rank=0, group=[0]), warmup_sizes=[],
                    routed_layers={layer: TOPK for layer in ROUTED})
-    batched = []  # calls that went through the batcher, not the loop's lone path
-    through_batcher = loop.batcher.compute
-    loop.batcher.compute = lambda *a: batched.append(a[0]) or through_batcher(*a)
+    joined = []  # calls that waited to be joined with others, not run at once alone
+    through_join = loop.batcher._join
+    loop.batcher._join = lambda call: joined.append(call.layer) or through_join(call)
     loop.start()
     link = AttentionLink(LinkConfig(**config), hidden_size=HIDDEN, dtype=DTYPE, max_tokens=32)
     for layer in layers:
@@ -436,7 +433,7 @@ def test_the_link_and_the_loop_take_prepared_calls_for_routed_fp8_steps(connecto
         assert loop.stats().routed_calls == calls * len(ROUTED) // len(layers)
         assert link.stats.routed_calls == loop.stats().routed_calls
         assert seen == [(layer, layer in ROUTED) for layer, _ in seen] and len(seen) == calls
-        assert batched == []
+        assert joined == []
     finally:
         link.close()
         loop.stop()

@@ -60,8 +60,7 @@ def test_prepared_calls_carry_every_layer_call_and_count_like_the_general_path(
     finally:
         attn.close()
         assert server.join_result() == len(steps)
-    # The FFN's first receive of a step (recv_hidden) and its last send
-    # (send_output) are prepared calls too; everything between is reply_and_recv's.
+    # Every FFN take and reply too (reply_echo serves as the FFN loop does).
     assert ffn.fast_calls == 2 * calls
     assert posted == [layers] * len(steps)  # a prepared reply for every call
     ffn.close()
@@ -157,7 +156,12 @@ def test_a_goodbye_instead_of_the_next_hidden_states_is_raised_by_the_general_re
     attn.send_hidden(0, 0, h)
     ffn.recv_step(0)
     got = ffn.recv_hidden(0, 0, 0)
-    replying = Background(ffn.reply_and_recv, 0, 0, 0, got * 2, 1, 0)
+
+    def reply_and_take_the_next():
+        ffn.reply_call(0, 0, 0, got * 2)
+        return ffn.take_call(0, 1, 0)
+
+    replying = Background(reply_and_take_the_next)
     assert torch.equal(attn.recv_output(0, 0), h * 2)
     attn.close()  # says goodbye
     with pytest.raises(AFDConnectionError):

@@ -218,9 +218,9 @@ def test_staged_calls_settle_the_slot_before_receiving_into_it_again(settled, mo
         out1, out2 = torch.zeros(4, HIDDEN), torch.zeros(4, HIDDEN)
         for layer, h, out in ((0, first, out1), (1, second, out2)):
             attn.send_call(layer, 0, h)
-            got = ffn.recv_prepared(0, layer, 0)
+            got = ffn.take_call(0, layer, 0)
             ffn.ops.pool.submit(lambda: None).result()  # its copy to the "device" landed
-            assert ffn.reply_prepared(0, layer, 0, got.clone())
+            ffn.reply_call(0, layer, 0, got.clone())
             attn.recv_call(layer, 0, out)  # its copy is still in flight
         attn.ops.pool.shutdown(wait=True)
         assert attn.fast_calls == 4 and ffn.fast_calls == 4  # no general path taken

@@ -678,9 +678,9 @@ def test_a_failed_mlp_call_fails_only_the_peers_in_it():
 
 @pytest.mark.parametrize("connector", ["shm", "tcp"])
 def test_a_lone_peers_failed_mlp_call_is_reported_and_the_loop_serves_on(connector):
-    """A lone attention peer's calls run in the FFN loop's own fast path (the
-    mlp between the batcher's enter_alone and leave_alone, the reply before
-    any bookkeeping; prepared calls on shm): its outputs are exact and the
+    """A lone attention peer's calls run at once in the batcher (the mlp
+    between its enter_alone and leave_alone, the reply before any
+    bookkeeping; prepared calls on shm and tcp): its outputs are exact and the
     batcher's counts add up; an mlp call that raises reaches the attention
     side with the layer, the token count and the error, ends that session
     only, and leaves the batcher free: the rank reconnects and is served."""

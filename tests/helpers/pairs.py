@@ -107,20 +107,16 @@ def tcp_pair(*, spin_us: int = 20_000, timeout_s: float = 10):
 
 
 def reply_echo(ffn, layers: int, posted: list | None = None) -> int:
-    """Serve one-micro-batch steps through reply_and_recv (output = 2h + layer);
-    posted: gets each step's count of prepared sends."""
+    """Serve one-micro-batch steps through the step channel, as the FFN loop
+    does (output = 2h + layer); posted: gets each step's count of prepared
+    sends."""
     steps = 0
     while True:
         step = ffn.recv_step(0)
         if step.is_goodbye or step.is_shutdown:
             return steps
-        h = ffn.recv_hidden(0, 0, 0)
         for layer in range(layers):
-            out = h * 2 + layer
-            if layer + 1 < layers:
-                h = ffn.reply_and_recv(0, layer, 0, out, layer + 1, 0)
-            else:
-                ffn.send_output(0, layer, 0, out)
+            ffn.reply_call(0, layer, 0, ffn.take_call(0, layer, 0) * 2 + layer)
         if posted is not None:
             prepared, C, _ = ffn._prepared[0]
             posted.append(C.step_calls_times(prepared)[2])

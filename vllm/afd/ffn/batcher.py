@@ -181,7 +181,12 @@ class LayerBatcher:
             self.cv.notify_all()  # the others may no longer need to wait for it
 
     def compute(self, layer: int, h: "torch.Tensor | Packed", peer: int,
-                routing: Routing | None = None) -> torch.Tensor:
+                routing: Routing | None = None,
+                reply: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """peer's call of layer: its mlp output, computed alone or joined with
+        other peers' calls of the layer. reply(out), when given, is called
+        with it as soon as it exists: for a lone peer before any of the
+        batcher's bookkeeping (the attention side waits on nothing else)."""
         rows = h.shape[0]
         if rows > self.max_tokens:  # the connector's checks make this impossible
             raise ValueError(f"AFD FFN: a call of {rows} tokens from attention rank "
@@ -190,20 +195,28 @@ class LayerBatcher:
             # A lone peer's call (nobody else inside a step, nothing pending or
             # computing) runs at once, without a _Call, the wait or the
             # grouping: each costs tens of microseconds on a cold cache, per
-            # layer call. (The FFN loop's own fast path calls enter_alone and
-            # leave_alone itself, and the mlp between them.)
+            # layer call.
             ran = False
             try:
                 x = h if type(h) is torch.Tensor else gather([h])
                 out = (self.run_mlp(layer, x) if routing is None
                        else self.run_mlp(layer, x, routing))
                 ran = True
+                if reply is not None:
+                    reply(out)
             finally:
                 self.leave_alone(rows, ran)
             return out
         call = _Call(layer, h, peer, routing)
-        if self.role == "follower":
-            return self._follow(call)
+        out = self._follow(call) if self.role == "follower" else self._join(call)
+        if reply is not None:
+            reply(out)
+        return out
+
+    def _join(self, call: _Call) -> torch.Tensor:
+        """call, joined with the other peers' calls of its layer that come
+        within the window (or every active peer's), run by whichever thread
+        finds the batch ready."""
         with self.cv:
             self.pending.append(call)
             self.cv.notify_all()

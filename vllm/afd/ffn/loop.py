@@ -34,6 +34,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -398,13 +399,6 @@ class FFNLoop:
         elsewhere."""
         answer, batcher = self.placement.is_lead, self.batcher
         stats = self.peer_stats.setdefault(peer, LinkStats())
-        # A lone lead's calls: the mlp runs here, between the batcher's
-        # enter_alone and leave_alone, and its output goes out first (a
-        # prepared call where the connector has them), before any bookkeeping:
-        # on a cold cache each Python line and frame between an mlp and its
-        # reply costs microseconds of both sides' time.
-        lone = answer and batcher.role == "alone"
-        compute_fn, observed, compute = self.compute_fn, self._observed, self.compute
         spin_seen = [0, 0]  # this session's connector's spin counters, counted so far
         while not self.stop_event.is_set():
             header = conn.recv_step(peer)
@@ -419,87 +413,34 @@ class FFNLoop:
             batcher.begin(peer)
             t_step = now()
             routed_topk = self.routing_topk
-            last = len(calls) - 1
-            h = None  # the next call's hidden states, when already received
-            # When the last prepared receive began, its wait counted once the
-            # next mlp has run (its start ends the wait): no clock read between
-            # the hidden states' arrival and the mlp.
-            t_recv = None
-            # Between a received call and its mlp, and between the mlp and its
-            # reply, as little as possible: after an mlp has streamed its
-            # weights through the caches every Python line costs ~1 us, on the
-            # path both sides wait on. So no per-call counting here (the
-            # step's counts come after it).
+            # One path for every call: take its hidden states, compute (alone
+            # at once, or joined with other peers' calls: batcher.py), and the
+            # lead replies as soon as the output exists (inside compute, before
+            # the batcher's bookkeeping). Between a received call and its mlp,
+            # and between the mlp and its reply, as little as possible: after
+            # an mlp has streamed its weights through the caches every Python
+            # line costs ~1 us, on the path both sides wait on. So no
+            # per-call counting here (the step's counts come after it).
             try:
-                for i, (layer_idx, u) in enumerate(calls):
-                    if h is None:
-                        t0 = now()
-                        # fp8 hidden states stay packed: the batcher unpacks
-                        # them straight into the joined MoE input.
-                        h = conn.recv_hidden(peer, layer_idx, u, defer=True)
-                        stats.wait_s += now() - t0
+                for layer_idx, u in calls:
+                    t0 = now()
+                    h = conn.take_call(peer, layer_idx, u)
+                    stats.wait_s += now() - t0
                     # Without routed layers no routing can come (the connector
                     # was built without: routing_topk 0).
                     routing = (self._routing_of(conn, peer, layer_idx, u) if routed_topk
                                else None)
-                    if lone and type(h) is torch.Tensor and batcher.enter_alone(peer):
-                        t0 = now()
-                        try:
-                            out = compute_fn(layer_idx, h, routing)
-                        except Exception as e:
-                            batcher.leave_alone(0, ran=False)
-                            error = self._compute_error(layer_idx, h.shape[0], e)
-                            conn.report_error(str(error))
-                            raise error from e
-                        t1 = now()
-                        posted = conn.reply_prepared(peer, layer_idx, u, out)
-                        # The post is counted as waiting, moved to send_s when
-                        # the step ends (take_reply_send_s), as reply_and_recv's.
-                        t2 = now()
-                        stats.wait_s += t2 - t1 if t_recv is None else t2 - t1 + t0 - t_recv
-                        t_recv = None
-                        rows = h.shape[0]
-                        batcher.leave_alone(rows)
-                        compute.compute_s += t1 - t0
-                        observed.append((t1 - t0, rows))
-                        h = None
-                        if posted:
-                            if i < last:
-                                h = conn.recv_prepared(peer, *calls[i + 1])
-                                t_recv = t2
-                            continue
-                        # Not posted: replied below, as a batched call is.
-                    else:
-                        if t_recv is not None:
-                            stats.wait_s += now() - t_recv
-                            t_recv = None
-                        try:
-                            out = batcher.compute(layer_idx, h, peer, routing)
-                        except (FFNComputeError, PlanError) as e:
-                            # The attention side fails with this text, not "goodbye".
-                            conn.report_error(str(e))
-                            raise
-                        h = None
-                        if not answer:
-                            continue
-                    t2 = now()
-                    if i < last:
-                        # This output and the next call's hidden states in one go
-                        # (one C call on shm): all of it counted as waiting here,
-                        # its sending part moved to send_s when the step ends.
-                        h = conn.reply_and_recv(peer, layer_idx, u, out, *calls[i + 1])
-                        stats.wait_s += now() - t2
-                    else:
-                        conn.send_output(peer, layer_idx, u, out)
-                        stats.send_s += now() - t2
+                    try:
+                        batcher.compute(layer_idx, h, peer, routing, partial(
+                            conn.reply_call, peer, layer_idx, u) if answer else None)
+                    except (FFNComputeError, PlanError) as e:
+                        # The attention side fails with this text, not "goodbye".
+                        conn.report_error(str(e))
+                        raise
             finally:
-                if t_recv is not None:  # a prepared receive whose mlp never ran
-                    stats.wait_s += now() - t_recv
                 batcher.end(peer)
                 self.fold_observed()
-                sent = conn.take_reply_send_s(peer)
-                stats.send_s += sent
-                stats.wait_s -= sent
+                stats.send_s += conn.take_reply_send_s(peer)
             stats.step_wall_s += now() - t_step
             stats.steps += 1
             stats.layer_calls += len(calls)

@@ -30,7 +30,7 @@ class FFNSide:
         # (peer, ubatch) -> (layer, shape) of hidden states awaiting output
         self._awaiting: dict[tuple[int, int], tuple[int, list[int]]] = {}
         self._routings: dict[tuple[int, int], wire.Routing | None] = {}  # see routing()
-        self._reply_send_s: dict[int, float] = {}  # peer -> reply_and_recv's sending
+        self._reply_send_s: dict[int, float] = {}  # peer -> reply_call's sending
 
     def recv_step(self, peer: int = 0, timeout_s: float | None = None) -> StepHeader:
         """Wait for peer's next StepHeader; by default as long as the peer stays
@@ -105,27 +105,23 @@ class FFNSide:
         del self._awaiting[(peer, ubatch_id)]
         self._routings.pop((peer, ubatch_id), None)
 
-    def reply_and_recv(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor,
-                       next_layer: int, next_ubatch: int) -> "torch.Tensor | Packed":
-        """send_output of (layer_id, ubatch_id), then recv_hidden(defer=True) of
-        the peer's next layer call: one C call on shm and tcp (step_calls.py)."""
+    # The step channel, FFN side: a layer call's hidden states taken, its
+    # output replied, as the FFN loop serves them. Here the general path (the
+    # reference); connectors whose message ends this host posts override them
+    # with their prepared calls (step_calls.py), which keep this path for
+    # what they do not take.
+    def take_call(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor | Packed":
+        """recv_hidden(peer, layer_id, ubatch_id, defer=True): fp8 hidden states
+        stay packed (the batcher unpacks them into its joined MoE input)."""
+        return self.recv_hidden(peer, layer_id, ubatch_id, defer=True)
+
+    def reply_call(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> None:
+        """send_output(peer, layer_id, ubatch_id, out), its time kept for
+        take_reply_send_s."""
         t0 = time.perf_counter()
         self.send_output(peer, layer_id, ubatch_id, out)
         self._reply_send_s[peer] = self._reply_send_s.get(peer, 0.0) + time.perf_counter() - t0
-        return self.recv_hidden(peer, next_layer, next_ubatch, defer=True)
-
-    def reply_prepared(self, peer: int, layer_id: int, ubatch_id: int,
-                       out: torch.Tensor) -> bool:
-        """Send the output of (layer_id, ubatch_id) through a prepared call, if
-        this connector has them for this step (step_calls.py): True when sent,
-        and then recv_prepared takes the peer's next call. False: nothing was
-        sent (reply_and_recv or send_output do it)."""
-        return False
-
-    def recv_prepared(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor | Packed":
-        """The hidden states of the peer's next call, after reply_prepared."""
-        return self.recv_hidden(peer, layer_id, ubatch_id, defer=True)
 
     def take_reply_send_s(self, peer: int) -> float:
-        """Seconds reply_and_recv spent sending to peer since the last call."""
+        """Seconds reply_call spent sending to peer since the last call."""
         return self._reply_send_s.pop(peer, 0.0)

@@ -18,10 +18,9 @@ message end (csrc/cpu/step_calls.cpp, one implementation for both transports):
   attention  send_call(layer, u, h), then recv_call(layer, u, out): send h;
              wait for the output and copy it into out (the link makes `out`
              in between, while the FFN computes)
-  FFN        reply_prepared(peer, layer, u, out), then recv_prepared(peer,
-             next_layer, next_u): send this call's output; wait for the next
-             call's hidden states (reply_and_recv does both; recv_hidden and
-             send_output, a step's first receive and last send, too)
+  FFN        take_call(peer, layer, u), then reply_call(peer, layer, u, out):
+             wait for a call's hidden states (on shm a view of the slot they
+             came in); send its output
 
 What the transport decides is the connector's (_step_frames and the staging
 hooks below): where a frame's payload goes (shm: the micro-batch's slot,
@@ -287,14 +286,16 @@ class StepCalls:
             self._prepare(peer, header)
         return header
 
-    def reply_and_recv(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor,
-                       next_layer: int, next_ubatch: int) -> "torch.Tensor | Packed":
-        if self.reply_prepared(peer, layer_id, ubatch_id, out):
-            return self.recv_prepared(peer, next_layer, next_ubatch)
-        return super().reply_and_recv(peer, layer_id, ubatch_id, out, next_layer, next_ubatch)
+    def take_call(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor | Packed":
+        h = self._take_prepared(peer, layer_id, ubatch_id)
+        return h if h is not None else self.recv_hidden(peer, layer_id, ubatch_id, defer=True)
 
-    def reply_prepared(self, peer: int, layer_id: int, ubatch_id: int,
-                       out: torch.Tensor) -> bool:
+    def reply_call(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> None:
+        if not self._post_output(peer, layer_id, ubatch_id, out):
+            super().reply_call(peer, layer_id, ubatch_id, out)
+
+    def _post_output(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> bool:
+        """reply_call's C post; False: nothing sent (send_output sends it)."""
         prepared = self._prepared.get(peer)
         awaiting, key = self._awaiting, (peer, ubatch_id)
         awaited = awaiting.get(key)
@@ -326,7 +327,7 @@ class StepCalls:
         return True
 
     def _take_prepared(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor | None":
-        """The FFN's prepared receive: the hidden states, or None when they did
+        """take_call's C take: the hidden states, or None when they did
         not come as expected (the general receive takes over)."""
         prepared = self._prepared.get(peer)
         if prepared is None or self._failure is not None:
@@ -368,24 +369,6 @@ class StepCalls:
             self._broken(peer, status, What("the hidden states of layer {} ubatch {}",
                                             layer_id, ubatch_id), "payload")
         return None
-
-    def recv_prepared(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor | Packed":
-        # recv_hidden's, one Python frame fewer between the frame and the mlp.
-        h = self._take_prepared(peer, layer_id, ubatch_id)
-        return h if h is not None else super().recv_hidden(peer, layer_id, ubatch_id, defer=True)
-
-    def recv_hidden(self, peer: int, layer_id: int, ubatch_id: int, *,
-                    defer: bool = False) -> "torch.Tensor | Packed":
-        # The FFN's receives (a step's first; the rest through recv_prepared,
-        # above): the prepared call where the step has them, else (or when
-        # the frame is not the expected one) the general receive.
-        h = self._take_prepared(peer, layer_id, ubatch_id) if not self.is_attention else None
-        return h if h is not None else super().recv_hidden(peer, layer_id, ubatch_id,
-                                                           defer=defer)
-
-    def send_output(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> None:
-        if not self.reply_prepared(peer, layer_id, ubatch_id, out):  # a step's last call
-            super().send_output(peer, layer_id, ubatch_id, out)
 
     def take_reply_send_s(self, peer: int) -> float:
         return self._prepared_send_s(peer) + super().take_reply_send_s(peer)
