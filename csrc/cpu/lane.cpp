@@ -3,7 +3,8 @@
 //
 // The shm connector's message lane: both rings of one connection (the one
 // this side sends on, the one it receives from; vllm/afd/transport/doorbell.py
-// has their layout) and the whole per-message path in one call each way.
+// has their layout): posting and taking messages, waiting, and the counters
+// the Python path and the prepared calls (step_calls.cpp) share.
 //
 // Why in C, and why through the Python C API rather than ctypes: on a VM every
 // page a message's path touches for the first time after the model's compute
@@ -11,24 +12,12 @@
 // microseconds. Measured on the 2-core AMD VM after a 64 MiB memset: calling
 // an empty Python function 10 us, one ctypes.memmove 39 us, building and
 // encoding a LayerFrame 98 us; the Python path of one shm message 200-250 us
-// per end against 10-14 us when hot. One call here replaces the slot copy, the
-// header write, the publish and the wake-up (sending), or the wait, the header
-// check, the consume and the copy out (receiving).
-//
-// Layer frames: the receiver knows exactly which frame must come next (step,
-// layer, micro-batch, shape, dtype), so it builds the header it expects from a
-// template (wire.LayerFrame encoded once per shape with fixed-width integers
-// for step, layer and micro-batch, which this code patches) and compares it
-// byte for byte with what arrived. Equal: every check of wire.check_frame holds
-// for it, as it did for the template. Different (another frame, an error
-// frame, a goodbye): the entry is left in the ring for the Python path, which
-// decodes it and raises the precise error. Senders write the same templates,
-// so both ends of an shm link agree on the bytes; the headers are ordinary
-// msgpack (msgspec decodes non-minimal integers), so the Python path reads
-// them too.
-//
-// A step's layer calls can also be prepared once and then made with four
-// numbers per message end (step_calls.cpp); the Lane itself is in lane.h.
+// per end against 10-14 us when hot. A step's layer calls are therefore
+// prepared once and then made with one C call and four numbers per message
+// end (step_calls.cpp, its LaneEnd), which compares each received header with
+// the frame it expects byte for byte (prepared.py says why that checks it).
+// lane_send_frame posts one frame with its payload copied into a slot (the
+// copier's own tests drive it); the Lane itself is in lane.h.
 //
 // Waiting (spin, then sleep on the socket) is the doorbell's
 // (afd_doorbell_wait, doorbell.cpp), with the backoff of preempted spins kept
@@ -173,50 +162,6 @@ PyObject* lane_take(PyObject*, PyObject* args) {
   return PyLong_FromLongLong(result);
 }
 
-// lane_recv_frame(lane, spin_ns, timeout_ms, template, step_at, layer_at,
-//                 ubatch_at, step, layer, ubatch, src, dst, nbytes)
-//   -> 1: the expected frame arrived and was consumed; its payload (nbytes at
-//         src, the slot) was copied to dst, or read in place when dst is 0
-//         (nothing when src is 0 too)
-//      3: a message arrived that is not that frame: left in the ring
-//      0: timed out; -1: closed
-PyObject* lane_recv_frame(PyObject*, PyObject* args) {
-  PyObject* capsule;
-  long long spin_ns;
-  int timeout_ms;
-  Template t;
-  unsigned long long step, src, dst, nbytes;
-  unsigned long layer, ubatch;
-  if (!PyArg_ParseTuple(args, "OLiO!nnnKkkKKK", &capsule, &spin_ns, &timeout_ms,
-                        &PyBytes_Type, &t.bytes, &t.step_at, &t.layer_at, &t.ubatch_at, &step,
-                        &layer, &ubatch, &src, &dst, &nbytes))
-    return nullptr;
-  Lane* lane = lane_of(capsule);
-  if (lane == nullptr || !t.load()) return nullptr;
-  uint8_t expected[512];
-  if (t.len > static_cast<Py_ssize_t>(sizeof expected) ||
-      !patch(t, expected, step, layer, ubatch)) {
-    PyErr_SetString(PyExc_ValueError, "lane_recv_frame: bad template");
-    return nullptr;
-  }
-  int status;
-  Py_BEGIN_ALLOW_THREADS status = lane->wait(spin_ns, timeout_ms);
-  if (status == 1) {
-    uint32_t n;
-    const uint8_t* header = lane->next_header(&n);
-    if (header != nullptr && static_cast<Py_ssize_t>(n) == t.len &&
-        memcmp(header, expected, n) == 0) {
-      if (nbytes && src != 0)
-        lane->read_payload(reinterpret_cast<uint8_t*>(dst), reinterpret_cast<const uint8_t*>(src),
-                           nbytes);
-      lane->consume();
-    } else {
-      status = 3;
-    }
-  }
-  Py_END_ALLOW_THREADS return PyLong_FromLong(status);
-}
-
 // lane_counters(lane) -> (sent, received, preemptions, backoffs)
 PyObject* lane_counters(PyObject*, PyObject* args) {
   PyObject* capsule;
@@ -278,7 +223,6 @@ PyMethodDef afd_lane_methods[] = {
     {"lane_send_frame", lane_send_frame, METH_VARARGS, nullptr},
     {"lane_wait", lane_wait, METH_VARARGS, nullptr},
     {"lane_take", lane_take, METH_VARARGS, nullptr},
-    {"lane_recv_frame", lane_recv_frame, METH_VARARGS, nullptr},
     {"lane_counters", lane_counters, METH_VARARGS, nullptr},
     {"lane_copy_stats", lane_copy_stats, METH_VARARGS, nullptr},
     {"lane_note_spin", lane_note_spin, METH_VARARGS, nullptr},

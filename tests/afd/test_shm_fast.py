@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""The shm connector's fast path for layer calls (shm_frames.py, csrc/cpu/lane.cpp):
-it is taken where it may be, agrees with the general path to the byte, and
-hands every surprise to the general path, which raises what it always did.
-Real connectors, two threads of one process; the latency itself is measured
-by `make bench-link` and `make bench`, not here."""
+"""The shm connector's step channel (step_calls.py over the lane: shm_frames.py,
+csrc/cpu/lane.cpp and step_calls.cpp), its frame templates and the lane's
+spin: the C calls are taken where they may be, agree with the general path to
+the byte, and hand every surprise to the general path, which raises what it
+always did. Real connectors, two threads of one process; the latency itself
+is measured by `make bench-link` and `make bench`, not here."""
 
 import random
 import time
@@ -12,12 +13,11 @@ import time
 import pytest
 import torch
 
-from vllm.afd.adapter.config import AFDConfig
 from vllm.afd.transport import doorbell, wire
-from vllm.afd.transport.connectors import AFDConnectionError, create_connector
+from vllm.afd.transport.connectors import AFDConnectionError
 from vllm.afd.transport.connectors.prepared import frame_template
 from vllm.afd.transport.wire import ProtocolError, StepHeader
-from helpers.connectors import HIDDEN, Background, free_port
+from helpers.connectors import HIDDEN, Background
 from helpers.pairs import echo, pair
 
 
@@ -51,17 +51,18 @@ def test_frame_templates_decode_to_the_frames_they_stand_for(dtype, scale_group)
 
 
 @pytest.mark.parametrize("spin_us", [0, 20_000])
-def test_layer_calls_take_the_fast_path_and_count_what_the_general_path_counts(spin_us):
-    """Every layer call's four message ends go through the lane when the
-    caller passes `out` (the attention link always does), micro-batches of
-    different sizes included; outputs are exact, and the byte counters add up
-    as the general path's do (header, length word, payload)."""
-    ffn, attn = pair(ffn_ubatches=2, attention_ubatches=2, spin_us=spin_us)
+def test_layer_calls_take_the_c_calls_and_count_what_the_general_path_counts(
+        spin_us, monkeypatch):
+    """Every layer call's four message ends go through the lane's C calls
+    when the caller passes `out` (the attention link always does), two
+    micro-batches of different sizes in flight at once included; outputs are
+    exact, and the byte counters add up as the general path's do (header,
+    length word, payload)."""
     # Counting, not timing: a receive waits FAST_WAIT_MS before the general path
     # takes over, which a loaded 2-core host running the suite sometimes exceeds
     # (47 of 48 once); the handover itself has its own test below.
-    for conn in (ffn, attn):
-        conn._links[0].fast_wait_ms = 10_000
+    monkeypatch.setattr(doorbell, "FAST_WAIT_MS", 10_000)
+    ffn, attn = pair(ffn_ubatches=2, attention_ubatches=2, spin_us=spin_us)
     server = Background(echo, ffn, 3)
     g = torch.Generator().manual_seed(0)
     steps = [[3, 5], [15, 1], [1, 1], [7, 9]]
@@ -72,9 +73,9 @@ def test_layer_calls_take_the_fast_path_and_count_what_the_general_path_counts(s
                 hidden = [torch.randn(n, HIDDEN, generator=g) for n in tokens]
                 outs = [torch.empty_like(h) for h in hidden]
                 for u, h in enumerate(hidden):
-                    attn.send_hidden(layer, u, h)
+                    attn.send_call(layer, u, h)
                 for u, h in enumerate(hidden):
-                    assert attn.recv_output(layer, u, out=outs[u]) is outs[u]
+                    assert attn.recv_call(layer, u, outs[u]) is outs[u]
                     assert torch.equal(outs[u], h * 2 + layer)
         calls = sum(len(t) for t in steps) * 3
         assert attn.fast_calls == 2 * calls  # each call: one send, one receive
@@ -96,65 +97,42 @@ def test_a_frame_other_than_the_expected_one_raises_what_the_general_path_raises
     ffn, attn = pair()
     attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
     assert ffn.recv_step(0).step_id == 1
-    attn.send_hidden(0, 0, torch.ones(2, HIDDEN))
+    attn.send_call(0, 0, torch.ones(2, HIDDEN))
     with pytest.raises(ProtocolError, match=r"layer_id.*expected 1.*received 0"):
-        ffn.recv_hidden(0, 1, 0)
+        ffn.take_call(0, 1, 0)
     with pytest.raises(AFDConnectionError, match=r"layer_id"):
-        attn.recv_output(0, 0, out=torch.empty(2, HIDDEN))
+        attn.recv_call(0, 0, torch.empty(2, HIDDEN))
     assert ffn.fast_calls == 0 and attn.fast_calls == 1
     attn.close()
     ffn.close()
 
 
-def test_an_error_frame_instead_of_the_output_reaches_the_caller_through_the_fast_path():
+def test_an_error_frame_instead_of_the_output_reaches_the_caller():
     """The FFN's mlp fails: it reports the error where the output would be; the
-    attention side's fast receive finds something else and the general path
-    raises the FFN's text."""
+    attention side's C take finds something else and the general path raises
+    the FFN's text."""
     ffn, attn = pair()
     attn.send_step(StepHeader(step_id=1, num_tokens=[1]))
     ffn.recv_step(0)
-    attn.send_hidden(0, 0, torch.ones(1, HIDDEN))
-    ffn.recv_hidden(0, 0, 0)
+    attn.send_call(0, 0, torch.ones(1, HIDDEN))
+    ffn.take_call(0, 0, 0)
     ffn.report_error("the mlp of layer 0 ran out of memory")
     with pytest.raises(AFDConnectionError, match="ran out of memory"):
-        attn.recv_output(0, 0, out=torch.empty(1, HIDDEN))
+        attn.recv_call(0, 0, torch.empty(1, HIDDEN))
     attn.close()
     ffn.close()
 
 
-def test_what_the_fast_path_cannot_carry_goes_the_general_way():
-    """send_hidden / recv_output (the per-call fast path) with routing or fp8
-    (which the prepared calls carry: test_fp8_calls.py), a non-contiguous or
-    wrongly shaped tensor: no lane call; the general path sends it, or raises
-    the caller's bug as before."""
-    port = free_port()
-    cfg = lambda role: AFDConfig(role=role, connector="shm", port=port,  # noqa: E731
-                                 timeout_s=10, transfer_dtype="fp8")
-    ffn = create_connector(cfg("ffn"), hidden_size=HIDDEN, dtype=torch.float32, max_tokens=8)
-    attn = create_connector(cfg("attention"), hidden_size=HIDDEN, dtype=torch.float32,
-                            max_tokens=8)
-    accepting = Background(ffn.accept)
-    attn.connect()
-    accepting.join_result()
-    server = Background(echo, ffn, 1)
-    try:
-        attn.send_step(StepHeader(step_id=1, num_tokens=[4]))
-        h = torch.randn(4, HIDDEN)
-        attn.send_hidden(0, 0, h)
-        out = attn.recv_output(0, 0, out=torch.empty(4, HIDDEN))
-        torch.testing.assert_close(out, h * 2, rtol=0.07, atol=0.07)  # fp8 both ways
-        assert attn.fast_calls == 0
-    finally:
-        attn.close()
-        server.join_result()
-        ffn.close()
+def test_what_the_c_calls_cannot_carry_is_the_general_paths_error():
+    """A non-contiguous or wrongly shaped tensor: no lane call; the general
+    path raises the caller's bug as before."""
     ffn, attn = pair()
     try:
         attn.send_step(StepHeader(step_id=1, num_tokens=[4]))
         with pytest.raises(ValueError, match="contiguous"):
-            attn.send_hidden(0, 0, torch.randn(HIDDEN, 4).t())
+            attn.send_call(0, 0, torch.randn(HIDDEN, 4).t())
         with pytest.raises(ValueError, match=r"expected shape \[4, "):
-            attn.send_hidden(0, 0, torch.randn(3, HIDDEN))
+            attn.send_call(0, 0, torch.randn(3, HIDDEN))
         assert attn.fast_calls == 0
     finally:
         attn.close()
@@ -215,8 +193,8 @@ def test_spinning_stops_only_when_spins_are_preempted_often():
 
 
 def test_an_answer_later_than_the_fast_wait_arrives_through_the_general_path():
-    """The FFN answers 0.3 s late: the fast receive gives up after
-    FAST_WAIT_MS and the general path waits on (its own timeout_s), receives
+    """The FFN answers 0.3 s late: the C take gives up after FAST_WAIT_MS
+    and the general path waits on (its own timeout_s), receives
     the frame and checks it; and a peer that never answers times out after
     timeout_s plus at most that short wait."""
     ffn, attn = pair(timeout_s=2)
@@ -224,23 +202,23 @@ def test_an_answer_later_than_the_fast_wait_arrives_through_the_general_path():
         attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
         ffn.recv_step(0)
         h = torch.randn(2, HIDDEN)
-        attn.send_hidden(0, 0, h)
+        attn.send_call(0, 0, h)
 
         def late():
-            x = ffn.recv_hidden(0, 0, 0)
+            x = ffn.take_call(0, 0, 0)
             time.sleep(0.3)
-            ffn.send_output(0, 0, 0, x * 2)
+            ffn.reply_call(0, 0, 0, x * 2)
 
         server = Background(late)
         out = torch.empty(2, HIDDEN)
-        assert attn.recv_output(0, 0, out=out) is out and torch.equal(out, h * 2)
+        assert attn.recv_call(0, 0, out) is out and torch.equal(out, h * 2)
         server.join_result()
         assert attn.fast_calls == 1  # the send; the receive went the general way
-        attn.send_hidden(1, 0, h)
-        ffn.recv_hidden(0, 1, 0)  # and never answers
+        attn.send_call(1, 0, h)
+        ffn.take_call(0, 1, 0)  # and never answers
         t0 = time.monotonic()
         with pytest.raises(AFDConnectionError, match="timed out after 2s"):
-            attn.recv_output(1, 0, out=out)
+            attn.recv_call(1, 0, out)
         assert 2 <= time.monotonic() - t0 < 2 + doorbell.FAST_WAIT_MS / 1000 + 0.5
     finally:
         attn.close()

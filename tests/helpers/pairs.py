@@ -39,7 +39,8 @@ def pair(*, ffn_ubatches: int = 1, attention_ubatches: int = 1, spin_us=None,
 
 
 def echo(ffn, layers: int) -> int:
-    """Serve steps (output = 2 * hidden + layer) until the attention side leaves."""
+    """Serve steps (output = 2 * hidden + layer) until the attention side
+    leaves, through the step channel as the FFN loop does."""
     steps = 0
     while True:
         step = ffn.recv_step(0)
@@ -47,7 +48,7 @@ def echo(ffn, layers: int) -> int:
             return steps
         for layer in range(layers):
             for u in range(len(step.num_tokens)):
-                ffn.send_output(0, layer, u, ffn.recv_hidden(0, layer, u) * 2 + layer)
+                ffn.reply_call(0, layer, u, ffn.take_call(0, layer, u) * 2 + layer)
         steps += 1
 
 

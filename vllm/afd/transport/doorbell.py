@@ -101,7 +101,7 @@ SPIN_BACKOFF_S = 1.0  # doubled while that repeats, up to this
 BACKOFF_PREEMPTIONS = 3  # preempted spins among the last SPIN_HISTORY that mean "often"
 SPIN_HISTORY = 8
 WAIT_CHUNK_MS = 1000  # how often a sleeping waiter checks its deadline and logs
-FAST_WAIT_MS = 50  # a fast receive's wait (connectors/step_calls.py, shm_frames.py), or the spin where longer
+FAST_WAIT_MS = 50  # a prepared receive's wait (connectors/step_calls.py), or the spin where longer
 RING_FULL = 1  # lane_send's answer when the peer has RING_ENTRIES messages unread
 # connector_extra_config stream_copies -> the lane's copy policy (csrc/cpu/slot_copy.h):
 # how a payload goes into its slot, cached or non-temporal (streamed) stores.
@@ -142,9 +142,6 @@ class RingLink(SocketLink):
         self.send_ring, self.recv_ring = send_ring, recv_ring
         self.spin_ns = int(spin_us * 1000)
         self.idle_spin_ns = min(self.spin_ns, IDLE_SPIN_US * 1000)
-        # How long a fast receive (connectors/shm_frames.py) waits before the general path
-        # takes over.
-        self.fast_wait_ms = max(FAST_WAIT_MS, -(-self.spin_ns // 1_000_000))
         self._fd = link.sock.fileno()
         self.C = lane_module()
         # Both rings start empty: head == tail == 0 in fresh memory.

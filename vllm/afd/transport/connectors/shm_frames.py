@@ -1,46 +1,27 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""The shm connector's frames: a step's prepared layer calls on the lane, and
-one C call per message end for the calls they do not carry.
+"""The shm connector's frames: where a step's prepared layer calls put them
+on the lane (step_calls.py holds the calls, csrc/cpu/step_calls.cpp their C).
 
-A step's layer calls (step_calls.py, csrc/cpu/step_calls.cpp) go through the
-lane with each payload in its micro-batch's slot (_step_frames): the FFN's
-exact hidden states are taken there without a copy (a view of the slot), fp8
-is unpacked from it into the connector's unpack buffer, a routed frame's
-routing follows the hidden states in the same slot and is viewed in place.
-Device tensors (CUDA) are staged through the same slots: the sender copies its
-tensor into its slot and waits for the copy (the peer reads the slot once the
-header is out), then posts with the slot itself as the source (the C call
-copies nothing then); the receiver takes the frame leaving the payload in its
-slot, then copies it to the device on the consumer's stream, and the slot's
-event is settled before this side's next message on that micro-batch (which
-lets the peer write the slot again).
+A step's layer calls go through the lane with each payload in its
+micro-batch's slot (_step_frames): the FFN's exact hidden states are taken
+there without a copy (a view of the slot), fp8 is unpacked from it into the
+connector's unpack buffer, a routed frame's routing follows the hidden states
+in the same slot and is viewed in place. Device tensors (CUDA) are staged
+through the same slots: the sender copies its tensor into its slot and waits
+for the copy (the peer reads the slot once the header is out), then posts with
+the slot itself as the source (the C call copies nothing then); the receiver
+takes the frame leaving the payload in its slot, then copies it to the device
+on the consumer's stream, and the slot's event is settled before this side's
+next message on that micro-batch (which lets the peer write the slot again).
 
-The attention side's send_hidden and recv_output (a step's calls that the
-prepared calls did not carry: a pool step with followers) take one call into
-csrc/cpu/lane.cpp in the common case:
-
-  sending    the tensor's bytes into the micro-batch's slot, the frame's header
-             (a template per shape, patched with step, layer and micro-batch)
-             into the ring, published: lane_send_frame
-  receiving  wait, compare the entry with the header expected next, consume it,
-             copy the payload into the caller's `out`: lane_recv_frame
-
-Which case is common: CPU tensors (host memory on both ends), exact transfer,
-no routing, the caller's own checks passing. Everything else, and every
-surprise, takes the general path of attention_side.py, unchanged: a message
-that is not the expected frame (an ErrorFrame, a goodbye, a malformed or
-mismatched frame) is left in the ring for it, so it decodes it and raises the
-error it always did; a wait that ends without the frame (after
-doorbell.FAST_WAIT_MS, or the link's spin where longer, or closed) continues
-there too, with its own timeout_s, logging and error messages.
-
-Why comparing bytes checks the frame: prepared.py.
+What the prepared calls do not take goes the general way (attention_side.py,
+ffn_side.py: the Python protocol over the ring, doorbell.py). Why comparing
+bytes checks a frame: prepared.py.
 
 Mixed into ShmConnector (shm.py) ahead of StepCalls and the protocol classes.
 """
 
-import time
 
 import torch
 
@@ -49,7 +30,6 @@ from vllm.afd.transport.buffers import HostSlots
 from vllm.afd.transport.connectors.prepared import (
     Ubatch, codec_spec, frame_template, received_frame)
 from vllm.afd.transport.connectors.step_calls import StepFrames
-from vllm.afd.transport.errors import LinkClosed, LinkTimeout
 
 
 class ShmFrames:
@@ -66,12 +46,6 @@ class ShmFrames:
         self._routed_templates: dict[int, tuple | None] = {}
         # peer -> slot addresses (send, receive), per micro-batch
         self._slot_addresses: dict[int, tuple[list[int], list[int]]] = {}
-
-    def _fast_enabled(self) -> bool:
-        """Host memory both ends (CUDA tensors staged through it), exact
-        transfer both ways, no routing."""
-        return (self.device.type in ("cpu", "cuda") and not self.send_scale_group
-                and not self.receive_scale_group and not self.routing_topk)
 
     def _staged_source(self, peer: int, u: int, t: torch.Tensor) -> int:
         """On a device connector, the address a prepared post sends from: t
@@ -100,50 +74,6 @@ class ShmFrames:
                 [tx.address(u) for u in range(tx.count)],
                 [rx.address(u) for u in range(rx.count)])
         return addresses
-
-    def _usable(self, peer: int, t: torch.Tensor, rows: int):
-        """The peer's RingLink when the fast path may carry t ([rows, hidden],
-        this dtype, contiguous host memory) over a healthy link; else None."""
-        if self._failure is not None or not self._connected:
-            return None
-        link = self._links.get(peer)
-        if (type(link) is not doorbell.RingLink or t.dtype != self.dtype or not t.is_cpu
-                or not self._on_host or t.shape != (rows, self.hidden_size)
-                or not t.is_contiguous()):
-            return None
-        return link
-
-    def _post_frame(self, peer: int, link, template, step_id: int, layer_id: int, u: int,
-                    src: int, dst: int) -> None:
-        """Send the frame (and copy the payload src -> dst), waiting for room in
-        the ring in the rare case there is none."""
-        encoded, step_at, layer_at, ubatch_at, nbytes = template
-        status = link.C.lane_send_frame(link.lane, encoded, step_at, layer_at, ubatch_at,
-                                        step_id, layer_id, u, src, dst, nbytes)
-        if status:
-            what = f"layer {layer_id} ubatch {u} of step {step_id}"
-            try:
-                link.post(lambda: link.C.lane_send_frame(
-                    link.lane, encoded, step_at, layer_at, ubatch_at, step_id, layer_id, u,
-                    src, dst, nbytes), time.monotonic() + self.timeout_s)
-            except (LinkTimeout, LinkClosed) as e:
-                raise self._link_error(e, self.peer_name(peer), what, "send") from None
-        self.bytes_sent += nbytes + link.frame_overhead + len(encoded)
-        self.fast_calls += 1
-
-    def _recv_frame(self, link, template, step_id: int, layer_id: int, u: int, src: int,
-                    dst: int) -> bool:
-        """Wait for the frame and take it (payload src -> dst unless dst is 0);
-        False: it did not come as expected, the general path takes over."""
-        encoded, step_at, layer_at, ubatch_at, nbytes = template
-        status = link.C.lane_recv_frame(link.lane, link.spin_ns, link.fast_wait_ms,
-                                        encoded, step_at, layer_at, ubatch_at, step_id,
-                                        layer_id, u, src, dst, nbytes)
-        if status != 1:
-            return False
-        self.bytes_received += nbytes + link.frame_overhead + len(encoded)
-        self.fast_calls += 1
-        return True
 
     def _step_frames(self, peer: int, step: wire.StepHeader) -> "StepFrames | None":
         """The step's frames on the lane (step_calls.py): each payload in its
@@ -212,39 +142,3 @@ class ShmFrames:
 
     def _staged_slots(self, peer: int) -> HostSlots:
         return self._rx[peer]
-
-    # ------------------------------------------------------- attention side
-    def send_hidden(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
-                    expect_output: bool = True, routing: wire.Routing | None = None) -> None:
-        step = self._step
-        if (routing is None and expect_output and self.is_attention and step is not None
-                and self._fast_enabled() and 0 <= ubatch_id < len(step.num_tokens)
-                and all(u != ubatch_id for _, u, _ in self._in_flight)):
-            rows = step.num_tokens[ubatch_id]
-            link = self._usable(0, h, rows)
-            template = self._template(self._send_templates, rows) if link else None
-            addresses = self._addresses(0) if template else None
-            if addresses is not None:
-                self._post_frame(0, link, template, step.step_id, layer_id, ubatch_id,
-                                 h.data_ptr(), addresses[0][ubatch_id])
-                self._in_flight.append((layer_id, ubatch_id, [rows, self.hidden_size]))
-                return
-        super().send_hidden(layer_id, ubatch_id, h, expect_output, routing)
-
-    def recv_output(self, layer_id: int, ubatch_id: int,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-        step, in_flight = self._step, self._in_flight
-        if (out is not None and in_flight and self.is_attention and step is not None
-                and in_flight[0][0] == layer_id and in_flight[0][1] == ubatch_id
-                and self._fast_enabled()):
-            rows = in_flight[0][2][0]
-            link = self._usable(0, out, rows)
-            template = self._template(self._recv_templates, rows) if link else None
-            addresses = self._addresses(0) if template else None
-            if addresses is not None and self._recv_frame(
-                    link, template, step.step_id, layer_id, ubatch_id,
-                    addresses[1][ubatch_id], out.data_ptr()):
-                in_flight.popleft()
-                return out
-        return super().recv_output(layer_id, ubatch_id, out)
-
