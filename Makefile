@@ -54,9 +54,9 @@ test-full: $(WHEEL_STAMP) models $(CUDA_WHEEL_STAMP) $(CUDA_NEXT_STAMP) $(MODELI
 
 # AFD on Model Runner V2 (through Triton's interpreter on the CPU), all of it: what
 # `make test` runs of it (the stock-vLLM-on-V2 oracle, the seams) plus the served
-# cases, the pool's failover and bf16, which cost minutes more (tests/afd/test_runner_v2.py).
+# cases, the pool's failover and bf16, which cost minutes more (tests/afd/e2e/test_runner_v2.py).
 test-v2: $(WHEEL_STAMP) models $(MODELINFO_STAMP) $(TRITON_SHIM)
-	$(VENV)/bin/pytest -q tests/afd/test_runner_v2.py
+	$(VENV)/bin/pytest -q tests/afd/e2e/test_runner_v2.py
 
 # Deliberate breakages of the claims that matter, each run against the tests that
 # guard it, which must fail (tools/testing/mutations.py; report in build/mutations/).
@@ -113,7 +113,7 @@ plan-check: $(WHEEL_STAMP)
 		--calibrate-model $(MODELS)/bench-qwen3-moe
 	-$(PY) -m vllm.afd.deploy.commands plan --check-bench benchmarks/results/afd_vs_colocated.json \
 		--hardware $(CPU_PROFILE)
-	$(VENV)/bin/pytest -q -p no:randomly tests/afd/test_planner.py
+	$(VENV)/bin/pytest -q -p no:randomly tests/afd/deploy/test_planner.py
 
 # One layer call's round trip through the shm and tcp connectors (echo FFN in
 # another process, core 1), 1 KiB to 1 MiB, and an idle link's CPU use.

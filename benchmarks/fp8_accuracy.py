@@ -14,7 +14,7 @@ differing token, and the largest |logprob difference| over the positions before
 each prompt's first difference (after it the two runs continue different
 texts). The fp8 rows are data about the checkpoints measured (docs/fp8.md):
 how far a quantized run strays depends on the model, so they are not held to a
-bound; that the codec is the stated one is tests/afd/test_fp8.py's job.
+bound; that the codec is the stated one is tests/afd/kernels/test_fp8.py's job.
 --check asserts that 'auto' agrees exactly. Writes OUT/fp8_accuracy.json.
 """
 

@@ -20,7 +20,8 @@ def test_the_users_afd_environment_does_not_leak_in(tmp_path):
                VLLM_AFD_STATUS_DIR=str(tmp_path / "elsewhere"))
     # -P: `python -m` would put the checkout (and its vllm/ tree) first on sys.path.
     proc = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "tests/afd/test_frames_fuzz.py", "-k", "bad_handshake or bad_frame"],
+                           "tests/afd/transport/test_frames_fuzz.py",
+                           "-k", "bad_handshake or bad_frame"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert " passed" in proc.stdout

@@ -136,7 +136,7 @@ def test_the_test_process_building_a_vllm_config_changes_nothing(models_dir):
     """Building a config sets variables to constants (vLLM's CPU platform:
     VLLM_SSM_CONV_STATE_LAYOUT, NUMEXPR_MAX_THREADS, ...; ray's import:
     RAY_CLIENT_MODE): a preloader started before the test process built one
-    still forks what it starts after (tests/afd/test_config.py builds them)."""
+    still forks what it starts after (tests/afd/adapter/test_config.py builds them)."""
     from vllm.engine.arg_utils import EngineArgs
 
     proc = preload.popen([sys.executable, "-c", "pass"])

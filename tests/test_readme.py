@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """The README's deployment examples are consistent as written: the same
 checks the servers run at start-up and in the handshake, applied to its
-lines (tests/afd/test_topology.py runs the same topologies for real). And the
+lines (tests/afd/ffn/test_topology.py runs the same topologies for real). And the
 README stays a page a user can act on: short, the set-up commands first, every
 relative link in it, in docs/ and in benchmarks/README.md resolving to a file
 and a heading, `make help` naming every target."""

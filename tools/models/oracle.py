@@ -151,7 +151,7 @@ def run(model: str, afd_config: str | None, compile_model: bool, max_tokens: int
 
 
 def run_matrix(args) -> int:
-    """The model matrix (tests/afd/test_families.py): one process start for
+    """The model matrix (tests/afd/e2e/test_families.py): one process start for
     every model's plain and AFD runs, each run in a child of it. A model that
     fails is recorded, and the others still run."""
     from pathlib import Path

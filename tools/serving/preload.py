@@ -73,7 +73,7 @@ READ_WHEN_USED = ("VLLM_AFD_TEST_", "VLLM_AFD_TOKEN", "VLLM_AFD_STATUS_DIR",
 # configured) and RAY_CLIENT_MODE (ray's import sets "0", its default, after
 # reading it; the config imports ray): a test process that built a config had
 # them, a preloader started before that had not, and every process after fell
-# back to a fresh start (test_preload, after tests/afd/test_config.py).
+# back to a fresh start (test_preload, after tests/afd/adapter/test_config.py).
 SET_BY_CONFIG = {"TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS",
                  "VLLM_DISABLE_SHARED_EXPERTS_STREAM", "NUMEXPR_MAX_THREADS",
                  "LOCAL_WORLD_SIZE", "VLLM_SSM_CONV_STATE_LAYOUT", "RAY_CLIENT_MODE"}

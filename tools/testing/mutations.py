@@ -62,7 +62,7 @@ MUTATIONS = [
         "installed", "vllm/afd/adapter/model/remote_ffn.py",
         (Edit("    _exchange(hidden_states, output, layer_idx)\n",
               "    _exchange(hidden_states, None, layer_idx)\n"),),
-        ("tests/afd/test_graph_rules.py::"
+        ("tests/afd/adapter/test_graph_rules.py::"
          "test_remote_ffn_op_mutates_its_output_and_allocates_nothing",)),
     Mutation(
         "micro-batch-rows-swapped",
@@ -70,14 +70,14 @@ MUTATIONS = [
         "installed", "vllm/afd/adapter/attention/runner.py",
         (Edit("    return torch.cat(results, dim=0)\n",
               "    return torch.cat(results[::-1], dim=0)\n"),),
-        ("tests/afd/test_oracle.py::test_micro_batches_match_plain",)),
+        ("tests/afd/e2e/test_oracle.py::test_micro_batches_match_plain",)),
     Mutation(
         "pool-failover-skipped",
         "a step that loses its FFN pool member finishes on another one",
         "installed", "vllm/afd/attention/resume.py",
         (Edit("                member = self.pool.next_member(exclude=failed)\n",
               "                member = None\n"),),
-        ("tests/afd/test_pool.py::test_a_killed_member_mid_step_changes_no_output",)),
+        ("tests/afd/attention/test_pool.py::test_a_killed_member_mid_step_changes_no_output",)),
     Mutation(
         "fp8-scale-one-ulp-off",
         "the composite (Ascend) fp8 pack writes the C++ kernels' bytes, scales included",
@@ -85,20 +85,20 @@ MUTATIONS = [
         (Edit("scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX),",
               "scale = torch.where(amax > 0, torch.nextafter(amax / torch.full_like(amax, "
               "FP8_MAX), amax),"),),
-        ("tests/afd/test_pack_ops.py::test_composite_pack_is_the_kernels_bytes",)),
+        ("tests/afd/kernels/test_pack_ops.py::test_composite_pack_is_the_kernels_bytes",)),
     Mutation(
         "fp8-scale-group-not-the-stated-one",
         "fp8 transfer is the format docs/fp8.md states (a scale per 128 elements)",
         "installed", "vllm/afd/transport/wire.py",
         (Edit("FP8_SCALE_GROUP = 128\n", "FP8_SCALE_GROUP = 64\n"),),
-        ("tests/afd/test_fp8.py::test_each_side_receives_the_reference_round_trip",)),
+        ("tests/afd/kernels/test_fp8.py::test_each_side_receives_the_reference_round_trip",)),
     Mutation(
         "wrong-hmac-accepted",
         "an FFN server admits only a peer that proves the shared secret",
         "installed", "vllm/afd/transport/auth.py",
         (Edit("    return hmac.compare_digest(expected, received)\n", "    return True\n"),),
-        ("tests/afd/test_handshake.py::test_unauthenticated_peer_is_dropped_then_a_good_"
-         "peer_served", "tests/afd/test_handshake.py::test_forged_proofs_are_refused")),
+        ("tests/afd/transport/test_handshake.py::test_unauthenticated_peer_is_dropped_then_a_good_"
+         "peer_served", "tests/afd/transport/test_handshake.py::test_forged_proofs_are_refused")),
     Mutation(
         "ffn-secret-not-demanded",
         "an FFN server with a secret refuses a peer without one",
@@ -106,7 +106,7 @@ MUTATIONS = [
         (Edit("        if self._secret is not None:\n            self._authenticate(",
               "        if self._secret is not None and hello.auth_nonce:\n"
               "            self._authenticate("),),
-        ("tests/afd/test_handshake.py::test_unauthenticated_peer_is_dropped_then_a_good_"
+        ("tests/afd/transport/test_handshake.py::test_unauthenticated_peer_is_dropped_then_a_good_"
          "peer_served",)),
     Mutation(
         "link-prediction-5x-slower",
@@ -114,28 +114,29 @@ MUTATIONS = [
         "repo", "benchmarks/results/cpu-profile.toml",
         (Edit("latency = 1.743e-06  # one way", "latency = 8.715e-06  # one way"),
          Edit("step_header = 5.869e-06  # sending", "step_header = 2.9345e-05  # sending")),
-        ("tests/afd/test_planner.py::test_cpu_profile_predicts_make_bench_within_its_bound",)),
+        ("tests/afd/deploy/test_planner.py::"
+         "test_cpu_profile_predicts_make_bench_within_its_bound",)),
     Mutation(
         "cpu-kernels-not-loaded",
         "on the CPU flavor, calibration times vLLM's own MoE kernel",
         "installed", "vllm/afd/deploy/planner/calibrate.py",
         (Edit("            current_platform.import_kernels()\n            return True\n",
               "            return False\n"),),
-        ("tests/afd/test_planner.py::test_calibration_times_vllms_own_moe_kernel",)),
+        ("tests/afd/deploy/test_planner.py::test_calibration_times_vllms_own_moe_kernel",)),
     Mutation(
         "ffn-construction-unmarked-on-a-branch",
         "every FFN assignment of a supported family lies inside begin_mlp()/close()",
         "repo", "vllm/model_executor/models/lfm2_moe.py",
         (Edit("        afd_scope = afd_seams.begin_mlp()\n", "", nth=2),
          Edit("        afd_scope.close()\n", "", nth=2)),
-        ("tests/afd/test_families.py::test_the_patch_marks_the_ffn_construction",)),
+        ("tests/afd/e2e/test_families.py::test_the_patch_marks_the_ffn_construction",)),
     Mutation(
         "metrics-count-nothing",
         "the attention server's metrics count the failovers /afd/status reports",
         "installed", "vllm/afd/observability/metrics.py",
         (Edit("                    family.add_metric(values, float(d[key]))\n",
               "                    family.add_metric(values, 0.0)\n"),),
-        ("tests/afd/test_pool.py::test_pool_of_ffn_servers_under_kills",)),
+        ("tests/afd/attention/test_pool.py::test_pool_of_ffn_servers_under_kills",)),
     Mutation(
         "readme-topologies-unreadable",
         "the README's topology commands are all checked (none found is an error)",

@@ -19,7 +19,7 @@ roles, before any weight is read.
 
 Adding a model: mark its FFN construction in the patch, add a Family here, a
 tiny checkpoint to tools/models/make_tiny_models.py and a row to the oracle matrix
-(tests/afd/test_families.py); README "Supported models" lists them.
+(tests/afd/e2e/test_families.py); README "Supported models" lists them.
 """
 
 from dataclasses import dataclass

@@ -58,7 +58,7 @@ AMX = torch.cpu._is_amx_tile_supported()
 TIMINGS: dict[str, float] = {}
 # Qwen3.5's vLLM module imports torchvision (through Qwen3-VL's): the hybrid
 # families run with this import-only stand-in on the path (its docstring).
-STAND_INS = Path(__file__).resolve().parents[1] / "stand_ins"
+STAND_INS = Path(__file__).resolve().parents[2] / "stand_ins"
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 import preload
 from servers import cpu
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SCRIPT = """
 import json, os, sys
 sys.path.insert(0, sys.argv[2])

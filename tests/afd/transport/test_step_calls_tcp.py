@@ -4,7 +4,7 @@
 a step's layer calls take them on both ends, outputs are exact, and every
 surprise (an error frame, a goodbye, a late answer, a frame the general path
 wrote) is read by the general receive and raises what it always did (the
-error frame, goodbye and late answer cases are test_prepared_calls.py's, for
+error frame, goodbye and late answer cases are test_step_calls.py's, for
 shm and tcp); a peer that stops mid-payload fails the connector with the
 payload's error. Real
 connectors over loopback TCP, in threads of one process; the latency they save

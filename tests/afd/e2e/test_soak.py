@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SOAK = REPO / "benchmarks" / "soak.py"
 MINUTES, CLIENTS = 1, 3
 # ~5 requests/s on an idle 2-core machine; a loaded CI runner may be far slower.

@@ -37,7 +37,7 @@ from vllm.afd.adapter.model.families import (
 from helpers.families import ELSEWHERE, HYBRID, MATRIX, check_family, check_routed, check_stock_difference, reference, run_against_stock, run_matrix
 from helpers.oracle import assert_micro_batched, assert_same, ffn_server, ffn_stats, run_oracle
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ORACLE = REPO / "tools" / "models" / "oracle.py"
 
 TIMINGS: dict[str, float] = {}

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tools" / "testing" / "gpu_check"))
 
 from roles import MAX_UBATCHES, AttentionRole, FFNRole, sample_batch  # noqa: E402

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """A step's layer calls prepared once (step_calls.py, csrc/cpu/step_calls.cpp;
-shm_frames.py, tcp_frames.py, more in test_tcp_calls.py):
+shm_frames.py, tcp_frames.py, more in test_step_calls_tcp.py):
 the attention link's steps of one micro-batch and the FFN loop's replies take
 them, they count what the general path counts, and every surprise goes the
 general way and raises what it always did. Real connectors, a real FFN loop

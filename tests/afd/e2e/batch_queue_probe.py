@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(REPO / "tools" / "models"), str(REPO / "tools" / "serving")]
 
 from oracle import PROMPTS  # noqa: E402

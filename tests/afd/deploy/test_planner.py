@@ -22,7 +22,7 @@ from vllm.afd.deploy.planner.hardware import EngineTable, Link, builtin_names, l
 from vllm.afd.deploy.planner.model import PRESETS, from_hf_config, load_model, transfer_bytes_per_token
 from vllm.afd.deploy.planner.search import REGIMES, evaluate, search
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 BENCH_JSON = REPO / "benchmarks/results/afd_vs_colocated.json"
 CPU_PROFILE = REPO / "benchmarks/results/cpu-profile.toml"
 

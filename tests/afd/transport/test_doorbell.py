@@ -119,7 +119,7 @@ def test_cpu_use_while_waiting_is_bounded():
     assert waited_cpu < 0.05 + 0.1, f"a 0.5 s wait burnt {waited_cpu:.3f}s of CPU"
 
 
-@pytest.mark.parametrize("connector", ["shm", "tcp"])  # tcp: test_tcp_spin.py
+@pytest.mark.parametrize("connector", ["shm", "tcp"])  # tcp: test_tcp_waits.py
 @pytest.mark.parametrize("bad", [-1, 2_000_000, "5", True, None])
 def test_spin_us_must_be_microseconds(bad, connector):
     with pytest.raises(ValueError, match=r"connector_extra_config\['spin_us'\]: invalid "
