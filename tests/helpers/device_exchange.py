@@ -9,7 +9,7 @@ waits for the peer's flag in a spin kernel, with the hidden states and the
 output in device buffers both sides map; here the "device" is this host, the
 flags are Python values behind a Condition, and the buffers are host tensors
 in a process-wide table (as loopback.py finds its peer). What it shares with
-a real one, and the tests check (tests/afd/test_device_exchange.py):
+a real one, and the tests check (tests/afd/transport/test_device_exchange.py):
 
 - graph_capturable = True: the adapter keeps FULL graph modes with it;
 - a layer call's two ends touch only buffers made when the attention side
