@@ -171,7 +171,7 @@ def run(tokens: int, stream_mb: int, steps: int, through: str, device: str = "cp
         cores: int = 1, spin_us: int = 50000) -> dict:
     import torch
 
-    from vllm.afd.attention.link import AttentionLink, StepPlan
+    from vllm.afd.attention.link import AttentionLink, ForwardPass
     from vllm.afd.transport.device import DeviceContext
 
     port = free_port()
@@ -203,7 +203,7 @@ def run(tokens: int, stream_mb: int, steps: int, through: str, device: str = "cp
         calls: list[tuple[float, float]] = []
         with torch.inference_mode():
             for _ in range(steps):
-                link.begin_step(StepPlan(num_tokens=(tokens,), device=context))
+                link.begin_step(ForwardPass(num_tokens=(tokens,), device=context))
                 for layer in range(LAYERS):
                     if junk is not None:
                         junk.add_(1.0)
@@ -266,7 +266,7 @@ def run_ubatched(tokens: int, m: int, steps: int, device: str = "cpu", cores: in
 
     from afd_vs_colocated import split_tokens
 
-    from vllm.afd.attention.link import AttentionLink, StepPlan
+    from vllm.afd.attention.link import AttentionLink, ForwardPass
     from vllm.afd.attention.pingpong import run_micro_batches
     from vllm.afd.transport.device import DeviceContext
 
@@ -298,7 +298,7 @@ def run_ubatched(tokens: int, m: int, steps: int, device: str = "cpu", cores: in
         with torch.inference_mode():
             for _ in range(steps):
                 t0 = time.perf_counter()
-                link.begin_step(StepPlan(num_tokens=tuple(split), device=context))
+                link.begin_step(ForwardPass(num_tokens=tuple(split), device=context))
                 run_micro_batches(split, ubatch, device=link.device)
                 link.end_step()
                 walls.append(time.perf_counter() - t0)

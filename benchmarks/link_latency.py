@@ -200,7 +200,7 @@ def measure(connector: str, extra: dict, iters: int, idle_s: float,
         time.sleep(idle_s)
         attn.send_step(StepHeader(step_id=step + 1, num_tokens=[0]))
         idle = parent.recv()
-        link = getattr(attn, "_links", {}).get(0)
+        link = getattr(attn, "_streams", {}).get(0)
         if hasattr(link, "copy_stats"):  # shm: how the attention side's payloads were copied
             results["attention_copies"] = link.copy_stats
     finally:

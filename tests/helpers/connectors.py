@@ -16,7 +16,7 @@ from servers import free_port  # noqa: F401  (race-free; the tests import it fro
 from vllm.afd.adapter.config import AFDConfig
 from vllm.afd.transport import wire
 from vllm.afd.transport.connectors import create_connector
-from vllm.afd.transport.connectors.socket_link import MAGIC, PREFIX
+from vllm.afd.transport.connectors.socket_stream import MAGIC, PREFIX
 from vllm.afd.transport.wire import StepHeader
 
 

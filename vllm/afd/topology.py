@@ -11,7 +11,7 @@ computes every token of its peers together (each holds a shard of the mlp
 weights or a subset of the experts; vLLM's own collectives combine them); the
 group's first rank answers. Such a group serves any number of attention ranks
 too: its lead decides how their calls are batched and the other ranks follow
-its plans (ffn/plan.py), so all make the same mlp calls in the same order.
+its orders (ffn/orders.py), so all make the same mlp calls in the same order.
 
     attention rank a  ->  FFN rank a % F, and every rank of that rank's group
     FFN rank f        <-  attention ranks a with a % F in f's group

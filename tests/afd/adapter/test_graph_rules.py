@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm.afd.attention.link import StepPlan
+from vllm.afd.attention.link import ForwardPass
 
 import preload
 from helpers.torch_ops import ALLOCATING, AtenOps
@@ -33,7 +33,7 @@ def test_remote_ffn_op_mutates_its_output_and_allocates_nothing(shm_link):
     assert output_arg.name == "output" and output_arg.alias_info.is_write
     assert len(schema.returns) == 0
     h = torch.randn(5, HIDDEN)
-    shm_link.begin_step(StepPlan(num_tokens=(5,)))
+    shm_link.begin_step(ForwardPass(num_tokens=(5,)))
     for layer in (0, 1):
         out = torch.full((5, HIDDEN), float("nan"))
         ptr = out.data_ptr()
@@ -60,7 +60,7 @@ def test_an_eager_model_calls_the_exchange_without_the_dispatcher(shm_link):
     from vllm.config import CompilationMode
 
     h = torch.randn(3, HIDDEN)
-    shm_link.begin_step(StepPlan(num_tokens=(3,)))
+    shm_link.begin_step(ForwardPass(num_tokens=(3,)))
     for layer, ffn in enumerate(remote_ffns(CompilationMode.NONE)):
         with AtenOps() as ops:
             out = ffn(h)
@@ -69,7 +69,7 @@ def test_an_eager_model_calls_the_exchange_without_the_dispatcher(shm_link):
     shm_link.end_step()
     # Hidden states that are a strided view: the exchange makes them contiguous.
     strided = torch.randn(HIDDEN, 3).t()
-    shm_link.begin_step(StepPlan(num_tokens=(3,)))
+    shm_link.begin_step(ForwardPass(num_tokens=(3,)))
     for layer, ffn in enumerate(remote_ffns(CompilationMode.NONE)):
         assert torch.equal(ffn(strided), strided * 2 + layer)
     shm_link.end_step()
@@ -83,7 +83,7 @@ def test_an_eager_remote_ffn_allocates_its_output_after_the_send(patient_waits, 
     from vllm.config import CompilationMode
 
     h = torch.randn(3, HIDDEN)
-    shm_link.begin_step(StepPlan(num_tokens=(3,)))
+    shm_link.begin_step(ForwardPass(num_tokens=(3,)))
     lead = shm_link.step.sender  # the step's lone lead connector
     fast_calls = lead.fast_calls
     for layer, ffn in enumerate(remote_ffns(CompilationMode.NONE)):
@@ -117,7 +117,7 @@ def test_an_eager_remote_ffn_runs_the_hooks_registered_on_it(shm_link):
     h = torch.randn(3, HIDDEN)
 
     def step() -> torch.Tensor:  # a step calls each layer once, in order
-        shm_link.begin_step(StepPlan(num_tokens=(3,)))
+        shm_link.begin_step(ForwardPass(num_tokens=(3,)))
         out = first(h)
         second(out)
         shm_link.end_step()
@@ -158,7 +158,7 @@ def test_a_compiled_model_keeps_the_exchange_one_opaque_op(shm_link):
         return ffns[1](ffns[0](h) + 1)
 
     h = torch.randn(3, HIDDEN)
-    shm_link.begin_step(StepPlan(num_tokens=(3,)))
+    shm_link.begin_step(ForwardPass(num_tokens=(3,)))
     try:
         out = two_layers(h)
     finally:
@@ -172,7 +172,7 @@ def test_an_abandoned_step_resyncs_the_ffn(shm_link):
     """The model failed between two exchanges: end_step(failed) tells the FFN
     (it drops the session) and the link reconnects; the next step works."""
     h = torch.ones(2, HIDDEN)
-    shm_link.begin_step(StepPlan(num_tokens=(2,)))
+    shm_link.begin_step(ForwardPass(num_tokens=(2,)))
     shm_link.exchange(0, h, torch.empty(2, HIDDEN))
     shm_link.end_step(failed=True)  # layer 1 never came
     assert shm_link.state == "down" and "abandoned step" in shm_link.last_error
@@ -183,7 +183,7 @@ def test_an_abandoned_step_resyncs_the_ffn(shm_link):
     while shm_link.connector is None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    shm_link.begin_step(StepPlan(num_tokens=(2,)))
+    shm_link.begin_step(ForwardPass(num_tokens=(2,)))
     outs = [shm_link.exchange(layer, h, torch.empty(2, HIDDEN)) for layer in (0, 1)]
     shm_link.end_step()
     assert torch.equal(outs[1], h * 2 + 1)

@@ -14,7 +14,7 @@ import torch
 
 from vllm.afd.attention import link as link_module
 from vllm.afd.attention import status as link_status
-from vllm.afd.attention.link import AttentionLink, StepPlan
+from vllm.afd.attention.link import AttentionLink, ForwardPass
 from vllm.afd.ffn.loop import FFNLoop
 from vllm.afd.topology import FFNPlacement
 from vllm.afd.transport.config import LinkConfig
@@ -32,7 +32,7 @@ def served_link(monkeypatch):
 
     def record(name, document):
         if name.startswith("link-"):
-            publishes.append((holder["link"].plan is not None, document["steps"]))
+            publishes.append((holder["link"].forward_pass is not None, document["steps"]))
         real(name, document)
 
     monkeypatch.setattr(link_status, "publish", record)
@@ -56,7 +56,7 @@ def served_link(monkeypatch):
 
 
 def one_step(link, hold_s: float) -> None:
-    link.begin_step(StepPlan(num_tokens=(2,)))
+    link.begin_step(ForwardPass(num_tokens=(2,)))
     time.sleep(hold_s)  # the periodic publish comes due several times meanwhile
     h = torch.randn(2, HIDDEN)
     for layer in (0, 1):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vllm.afd.attention import ubatch_rule
-from vllm.afd.attention.link import AttentionLink, StepPlan
+from vllm.afd.attention.link import AttentionLink, ForwardPass
 from vllm.afd.attention.ubatch_rule import (PROBES, REPROBE_EVERY, WARMUP_STEPS, WINDOW,
                                             UbatchRule)
 from vllm.afd.ffn.loop import FFNLoop
@@ -257,7 +257,7 @@ def test_the_link_feeds_the_rule_real_steps_only(shm_link):
     h = torch.ones(4, HIDDEN)
 
     def real_step(m: int, layers=(0, 1)) -> None:
-        link.begin_step(StepPlan(num_tokens=(4,) if m == 1 else (2, 2)))
+        link.begin_step(ForwardPass(num_tokens=(4,) if m == 1 else (2, 2)))
         for layer in layers:
             for u in range(m):
                 link.exchange(layer, h[:2] if m == 2 else h, torch.empty_like(
@@ -265,14 +265,14 @@ def test_the_link_feeds_the_rule_real_steps_only(shm_link):
         link.end_step(failed=len(layers) < 2)
 
     for kind in ("profile", "warmup", "capture"):
-        link.begin_step(StepPlan(kind=kind))
+        link.begin_step(ForwardPass(kind=kind))
         clock.now += 50.0
         link.exchange(0, h, torch.empty_like(h))
         link.end_step()
     assert rule.document()["steps"] == {}
     m = rule.choose(4)
     for kind in ("warmup", "profile"):  # dummy runs in between change nothing
-        link.begin_step(StepPlan(kind=kind))
+        link.begin_step(ForwardPass(kind=kind))
         link.end_step()
     clock.now += 0.5
     real_step(m)

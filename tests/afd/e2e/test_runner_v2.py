@@ -305,14 +305,14 @@ def test_v2_names_its_runs_and_only_real_steps_reach_the_ffn(shm_link):
     # The capture's inner dummy run belongs to the capture: no warm-up counted.
     assert shm_link.dummy_runs == {"profile": 1, "warmup": 1, "capture": 1}
     assert shm_link.stats.steps == 1 and shm_link.stats.layer_calls == 2
-    assert shm_link.plan is None  # every scope ended its step
+    assert shm_link.forward_pass is None  # every scope ended its step
 
 
 def test_a_step_that_raised_ends_failed_and_the_next_one_runs(shm_link):
     r = _runner()
     with pytest.raises(RuntimeError, match="the model failed"):
         _execute_model(r, fail=True)
-    assert shm_link.plan is None
+    assert shm_link.forward_pass is None
     assert torch.equal(_execute_model(r, tokens=2),
                        torch.full((2, shm_link.hidden_size), 5.0))
     # Ended as failed, the first step is not counted as one that completed.
@@ -323,7 +323,7 @@ def test_without_afd_the_seams_pass_through(shm_link):
     r = SimpleNamespace(vllm_config=SimpleNamespace(afd_config=None))
     with pytest.raises(RuntimeError, match="outside a step"):  # begin_step did nothing
         _execute_model(r)
-    assert shm_link.dummy_runs == {} and shm_link.plan is None
+    assert shm_link.dummy_runs == {} and shm_link.forward_pass is None
     assert afd_seams.ubatch_runner(lambda *args: "upstream's", r.vllm_config, 1) == "upstream's"
     assert afd_seams.ubatched_step(r.vllm_config, None, _batch([4]), False) is False
 
@@ -337,11 +337,11 @@ def test_afd_micro_batch_runner_splits_real_steps_only():
     config = r.vllm_config
     assert not afd_seams.ubatched_step(config, ubatches, _batch([3, 5]), dummy_run=True)
     rule = UbatchRule(2, "fixed")
-    assert ubatches.plan(_batch([3, 5], padded_tokens=10), rule)
+    assert ubatches.split(_batch([3, 5], padded_tokens=10), rule)
     # Balanced (4 + 4), request 1 straddling; the last takes the padding rows.
     assert [(s.request_slice, s.token_slice) for s in ubatches._slices] == [
         (slice(0, 2), slice(0, 4)), (slice(1, 2), slice(4, 10))]
     ubatches.hybrid = True  # whole requests: 3 + 5
-    assert ubatches.plan(_batch([3, 5]), rule)
+    assert ubatches.split(_batch([3, 5]), rule)
     assert [s.token_slice for s in ubatches._slices] == [slice(0, 3), slice(3, 8)]
-    assert not ubatches.plan(_batch([1]), rule)  # one token: not split
+    assert not ubatches.split(_batch([1]), rule)  # one token: not split

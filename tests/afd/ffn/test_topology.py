@@ -9,7 +9,7 @@ Every attention server in a deployment must give exactly plain vLLM's tokens:
          on vLLM's Ray DP backend
   2A:2F  one FFN server with tensor parallelism 2 serving two attention
          servers (both ranks get every token of both, the lead decides the
-         batches and answers, the follower runs the lead's plans), and the
+         batches and answers, the follower runs the lead's orders), and the
          same with expert parallelism (4 of the 8 experts per rank) on vLLM's
          Ray executor
 Independent attention servers are in-process LLMs (tools/models/oracle.py) run side
@@ -153,7 +153,7 @@ def test_three_attention_two_ffn_uneven_with_data_parallel(models_dir, tmp_path,
 def test_one_attention_two_ffn_ranks(models_dir, tmp_path, parallel, request):
     """2A:2F: one FFN server of two workers serves two attention servers at
     once (attention rank 1 through the follower's address), its workers
-    following the lead's batch plans. The tensor-parallel one runs its workers
+    following the lead's batch orders. The tensor-parallel one runs its workers
     on mp, the expert-parallel one on vLLM's Ray executor (RayExecutorV2, the
     workers Ray actors in a placement group of the test's local Ray head)."""
     base = {"connector": "shm" if parallel == "tp" else "tcp", "port": free_port(),
@@ -191,7 +191,7 @@ def test_one_attention_two_ffn_ranks(models_dir, tmp_path, parallel, request):
     steps = sum(r["link_stats"]["steps"] for r in results)
     assert workers[0]["steps"] == workers[1]["steps"] == steps
     assert [w["batching"] for w in workers] == ["lead", "follower"]
-    assert workers[1]["plan_error"] is None
+    assert workers[1]["order_error"] is None
 
 
 # ---------------------------------------------------------------- layout rules
@@ -563,7 +563,7 @@ def test_ffn_peers_join_and_leave_their_own_sessions(connector, spin_us):
             conn.send_hidden(0, 0, _hidden(rank, 4, 0, tokens[rank]))
         for rank, conn in ((0, p0), (1, p1)):
             conn.recv_output(0, 0)
-        p1._links[0].close()
+        p1._streams[0].close()
         t0 = time.monotonic()
         for layer in (1, 2):
             p0.send_hidden(layer, 0, _hidden(0, 4, layer, 3))
@@ -586,7 +586,7 @@ def test_ffn_peers_join_and_leave_their_own_sessions(connector, spin_us):
         assert mlp.calls == [(layer, 8) for _ in (7, 8) for layer in (0, 1, 2)]
         assert loop.batcher.largest == 8
         if spin_us:  # the answers of the batched steps were caught spinning
-            assert p0._links[0].spin_hits > 0 and p1._links[0].spin_hits > 0
+            assert p0._streams[0].spin_hits > 0 and p1._streams[0].spin_hits > 0
         doc = loop.document()
         assert loop.sessions == 3 and doc["reconnects"] == 2, doc
         assert doc["handshake_failures"] == 0 and doc["bytes_received"] > 0, doc

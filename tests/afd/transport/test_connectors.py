@@ -30,7 +30,7 @@ from vllm.afd.transport.connectors import base as connectors_base
 from vllm.afd.transport.connectors.loopback import LoopbackConnector
 from vllm.afd.transport.connectors.nccl import NcclConnector
 from vllm.afd.transport.connectors.shm import ShmConnector
-from vllm.afd.transport.connectors.socket_link import MAGIC, PREFIX
+from vllm.afd.transport.connectors.socket_stream import MAGIC, PREFIX
 from vllm.afd.transport.connectors.tcp import TcpConnector
 from vllm.afd.transport.wire import LayerFrame, StepHeader
 from helpers.connectors import FAKE_NCCL, HIDDEN, MAX_TOKENS, TOPK, Background, connect_pair, ffn_serve, make, raw_frame, read_message, routing_for, serve_one_layer
@@ -342,7 +342,7 @@ def test_malformed_frame_on_the_socket(garbage, needle):
     try:
         attn.send_step(StepHeader(step_id=0, num_tokens=[4]))
         ffn.recv_step(0)
-        attn._links[0].sock.sendall(garbage)  # bypass the connector: raw bytes
+        attn._streams[0].sock.sendall(garbage)  # bypass the connector: raw bytes
         with pytest.raises(ProtocolError) as e:
             ffn.recv_hidden(0, 0, 0)
         assert needle in str(e.value)
@@ -362,7 +362,7 @@ def test_malformed_bytes_on_loopback():
     try:
         attn.send_step(StepHeader(step_id=0, num_tokens=[4]))
         ffn.recv_step(0)
-        attn._links[0].send(b"\xc1garbage", None)
+        attn._streams[0].send(b"\xc1garbage", None)
         with pytest.raises(ProtocolError, match="malformed AFD message from attention rank 0"):
             ffn.recv_hidden(0, 0, 0)
     finally:
@@ -686,7 +686,7 @@ def test_malformed_routing_is_refused(topk, nbytes, needle):
         ffn.recv_step(0)
         bad = LayerFrame(step_id=0, layer_id=0, ubatch_id=0, dtype="float32", shape=[4, HIDDEN],
                          nbytes=nbytes, topk=topk)
-        attn._links[0].sock.sendall(raw_frame(bad, bytes(nbytes)))
+        attn._streams[0].sock.sendall(raw_frame(bad, bytes(nbytes)))
         with pytest.raises(ProtocolError) as e:
             ffn.recv_hidden(0, 0, 0)
         assert needle in str(e.value)
@@ -720,7 +720,7 @@ def test_routing_without_negotiation_is_refused():
         ffn.recv_step(0)
         bad = LayerFrame(step_id=0, layer_id=0, ubatch_id=0, dtype="float32", shape=[2, HIDDEN],
                          nbytes=2 * HIDDEN * 4 + 2 * TOPK * 8, topk=TOPK)
-        attn._links[0].sock.sendall(raw_frame(bad, bytes(bad.nbytes)))
+        attn._streams[0].sock.sendall(raw_frame(bad, bytes(bad.nbytes)))
         with pytest.raises(ProtocolError, match="LayerFrame.topk: expected 0, received 3"):
             ffn.recv_hidden(0, 0, 0)
     finally:

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from vllm.afd.attention.link import AttentionLink, StepPlan
+from vllm.afd.attention.link import AttentionLink, ForwardPass
 from vllm.afd.attention.pingpong import run_micro_batches
 from vllm.afd.ffn.loop import FFNLoop
 from vllm.afd.topology import FFNPlacement
@@ -74,14 +74,14 @@ def test_the_link_and_the_loop_serve_a_transport_that_implements_only_the_channe
     link = make_link(port)
     try:
         for rows in (1, 5, 16):
-            link.begin_step(StepPlan(num_tokens=(rows,)))
+            link.begin_step(ForwardPass(num_tokens=(rows,)))
             h = torch.randn(rows, HIDDEN)
             for layer in LAYERS:
                 assert torch.equal(link.exchange(layer, h, torch.empty_like(h)),
                                    reference(layer, h))
             link.end_step()
         hidden = [torch.randn(2, HIDDEN), torch.randn(3, HIDDEN)]
-        link.begin_step(StepPlan(num_tokens=(2, 3)))
+        link.begin_step(ForwardPass(num_tokens=(2, 3)))
 
         def run(u):
             return [link.exchange(layer, hidden[u], torch.empty_like(hidden[u]))
@@ -91,7 +91,7 @@ def test_the_link_and_the_loop_serve_a_transport_that_implements_only_the_channe
             for layer, out in zip(LAYERS, outs):
                 assert torch.equal(out, reference(layer, hidden[u])), (u, layer)
         link.end_step()
-        link.begin_step(StepPlan(num_tokens=(4,)))
+        link.begin_step(ForwardPass(num_tokens=(4,)))
         h = torch.randn(4, HIDDEN)
         strided = torch.full((HIDDEN, 4), float("nan")).t()
         assert link.exchange(0, h, strided) is strided
@@ -126,7 +126,7 @@ def test_its_layer_calls_are_graph_capturable():
     link = make_link(port)
     try:
         for step in range(2):
-            link.begin_step(StepPlan(num_tokens=(4,)))
+            link.begin_step(ForwardPass(num_tokens=(4,)))
             h, out = torch.randn(4, HIDDEN), torch.empty(4, HIDDEN)
             for layer in LAYERS:
                 with AtenOps() as ops:
@@ -185,7 +185,7 @@ def test_a_member_lost_mid_step_is_resumed_on_another_without_the_link_knowing_t
             time.sleep(0.05)
         assert len(link.pool.ready_members()) == 2
         for step in range(4):
-            link.begin_step(StepPlan(num_tokens=(3,)))
+            link.begin_step(ForwardPass(num_tokens=(3,)))
             h = torch.randn(3, HIDDEN)
             for layer in LAYERS:
                 assert torch.equal(link.exchange(layer, h, torch.empty_like(h)),

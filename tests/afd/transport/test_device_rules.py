@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm.afd.attention.link import AttentionLink, StepPlan
+from vllm.afd.attention.link import AttentionLink, ForwardPass
 from vllm.afd.ffn.loop import FFNLoop, warmup_buckets
 from vllm.afd.topology import FFNPlacement
 from vllm.afd.transport.config import LinkConfig
@@ -512,7 +512,7 @@ def test_attention_link_counts_dummy_runs_and_sends_no_frame():
     link.add_layer(0)
     try:
         for kind in ("profile", "warmup", "capture"):
-            link.begin_step(StepPlan(kind=kind))
+            link.begin_step(ForwardPass(kind=kind))
             out = torch.full((3, HIDDEN), 7.0)
             link.exchange(0, torch.ones(3, HIDDEN), out)
             link.end_step()
@@ -525,6 +525,6 @@ def test_attention_link_counts_dummy_runs_and_sends_no_frame():
         from vllm.afd.transport.errors import AFDLinkDown
 
         with pytest.raises(AFDLinkDown):
-            link.begin_step(StepPlan(num_tokens=(3,)))
+            link.begin_step(ForwardPass(num_tokens=(3,)))
     finally:
         link.close()

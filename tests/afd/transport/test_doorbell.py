@@ -99,7 +99,7 @@ def test_a_peer_gone_mid_wait_is_noticed_after_the_spin():
     waiting = Background(attn.recv_output, 0, 0)
     time.sleep(0.05)
     t0 = time.monotonic()
-    ffn._links[0].sock.shutdown(2)  # the FFN's end vanishes without a goodbye
+    ffn._streams[0].sock.shutdown(2)  # the FFN's end vanishes without a goodbye
     with pytest.raises(AFDConnectionError, match="closed the connection"):
         waiting.join_result(timeout=10)
     assert time.monotonic() - t0 < 3
@@ -131,8 +131,8 @@ def test_spin_us_must_be_microseconds(bad, connector):
 
 def test_oversized_messages_are_refused_before_they_touch_the_ring():
     ffn, attn = pair()
-    link = attn._links[0]
-    assert isinstance(link, doorbell.RingLink)
+    link = attn._streams[0]
+    assert isinstance(link, doorbell.RingStream)
     from vllm.afd.transport.wire import ProtocolError
     with pytest.raises(ProtocolError, match="the shm ring holds at most"):
         link.send(b"x" * doorbell.ENTRY_BYTES, None, time.monotonic() + 1)

@@ -19,8 +19,8 @@ import torch
 from vllm.afd.transport import doorbell, wire
 from vllm.afd.transport.connectors import AFDConnectionError, ProtocolError
 from vllm.afd.transport.connectors import tcp
-from vllm.afd.transport.connectors.socket_link import (MAGIC, MAX_HEADER_BYTES, PREFIX,
-                                                       SocketLink)
+from vllm.afd.transport.connectors.socket_stream import (MAGIC, MAX_HEADER_BYTES, PREFIX,
+                                                       SocketStream)
 from vllm.afd.transport.errors import LinkClosed
 from vllm.afd.transport.wire import LayerFrame, StepHeader
 from helpers.connectors import HIDDEN, MAX_TOKENS, Background, dial, free_port, make, raw_frame, read_message, serve_one_layer
@@ -278,13 +278,13 @@ def test_random_mutations_raise_only_protocol_errors():
 
 
 def test_mutated_frames_over_a_socket_never_hang_or_crash_the_reader():
-    """The same mutations through SocketLink: ProtocolError or a clean
+    """The same mutations through SocketStream: ProtocolError or a clean
     LinkClosed at the end of the stream, within the stall timeout."""
     rng = random.Random(7)
     for _ in range(200):
         frame = _mutate(raw_frame(wire.StepHeader(step_id=1, num_tokens=[2])), rng)
         a, b = socket.socketpair()
-        link = SocketLink(b, "fuzzer", stall_timeout_s=1.0)
+        link = SocketStream(b, "fuzzer", stall_timeout_s=1.0)
         try:
             a.sendall(frame)
             a.shutdown(socket.SHUT_WR)

@@ -62,15 +62,11 @@ def test_payloads_arrive_exact_whichever_way_they_are_copied(stream_copies):
             for layer in range(layers):
                 h = unaligned(rows, g)
                 out = torch.empty_like(h)
-                if layer % 2:  # the C calls
-                    attn.send_call(layer, 0, h)
-                    assert attn.recv_call(layer, 0, out) is out
-                else:
-                    attn.send_hidden(layer, 0, h)
-                    assert attn.recv_output(layer, 0, out=out) is out
+                attn.send_call(layer, 0, h)  # the C calls: the lane's copier
+                assert attn.recv_call(layer, 0, out) is out
                 assert torch.equal(out, h * 2 + layer), (stream_copies, rows, layer)
         assert attn.fast_calls > 0 and ffn.fast_calls > 0
-        sides = {"attention": attn._links[0].copy_stats, "ffn": ffn._links[0].copy_stats}
+        sides = {"attention": attn._streams[0].copy_stats, "ffn": ffn._streams[0].copy_stats}
     finally:
         attn.close()
         assert server.join_result() == 24

@@ -341,7 +341,7 @@ def test_routing_the_frame_cannot_carry_is_not_sent(connector):
     try:
         for a in (attn, plain):
             a.send_step(StepHeader(step_id=1, num_tokens=[4]))
-        h, out = torch.randn(4, HIDDEN).to(DTYPE), torch.empty(4, HIDDEN, dtype=DTYPE)
+        h = torch.randn(4, HIDDEN).to(DTYPE)
         good = routing_for(4, 1)
         for bad in (good._replace(topk_ids=good.topk_ids.long()),
                     good._replace(topk_weights=good.topk_weights[:, :2].contiguous()),
@@ -364,7 +364,7 @@ def test_the_link_and_the_loop_take_prepared_calls_for_routed_fp8_steps(connecto
     link: steps of one micro-batch and of two (a real ping-pong) go through
     prepared calls on both sides, the loop's lone path runs the routed mlps
     with the routing received, and the outputs are the reference's."""
-    from vllm.afd.attention.link import AttentionLink, StepPlan
+    from vllm.afd.attention.link import AttentionLink, ForwardPass
     from vllm.afd.attention.pingpong import run_micro_batches
     from vllm.afd.ffn.loop import FFNLoop
     from vllm.afd.topology import FFNPlacement
@@ -402,7 +402,7 @@ def test_the_link_and_the_loop_take_prepared_calls_for_routed_fp8_steps(connecto
         link.start()
         g = torch.Generator().manual_seed(11)
         for rows in (1, 5):
-            link.begin_step(StepPlan(num_tokens=(rows,)))
+            link.begin_step(ForwardPass(num_tokens=(rows,)))
             h = (torch.randn(rows, HIDDEN, generator=g) * 4).to(DTYPE)
             for layer in layers:
                 routing = routing_for(rows, layer) if layer in ROUTED else None
@@ -410,7 +410,7 @@ def test_the_link_and_the_loop_take_prepared_calls_for_routed_fp8_steps(connecto
                 assert torch.equal(out, expected(layer, h, routing)), (rows, layer)
             link.end_step()
         hidden = [(torch.randn(n, HIDDEN, generator=g) * 4).to(DTYPE) for n in (2, 3)]
-        link.begin_step(StepPlan(num_tokens=(2, 3)))
+        link.begin_step(ForwardPass(num_tokens=(2, 3)))
 
         def run(u):
             routings = [routing_for(hidden[u].shape[0], 10 * u + layer) if layer in ROUTED
@@ -445,7 +445,7 @@ def test_a_routed_layer_called_without_routing_fails_both_sides_with_why():
     differently on the two roles): the FFN loop refuses the call before its
     mlp runs, on the lone path too, and the attention side's call fails with
     the FFN's reason, not a timeout."""
-    from vllm.afd.attention.link import AttentionLink, StepPlan
+    from vllm.afd.attention.link import AttentionLink, ForwardPass
     from vllm.afd.ffn.loop import FFNLoop
     from vllm.afd.topology import FFNPlacement
     from vllm.afd.transport.config import LinkConfig
@@ -465,7 +465,7 @@ def test_a_routed_layer_called_without_routing_fails_both_sides_with_why():
     try:
         assert loop.ready.wait(10)
         link.start()
-        link.begin_step(StepPlan(num_tokens=(2,)))
+        link.begin_step(ForwardPass(num_tokens=(2,)))
         h = torch.randn(2, HIDDEN).to(DTYPE)
         with pytest.raises(AFDLinkDown, match="expected routing with the hidden states, "
                                               "received none"):

@@ -16,9 +16,9 @@ import time
 import pytest
 import torch
 
-from vllm.afd.attention.link import StepPlan
+from vllm.afd.attention.link import ForwardPass
 from vllm.afd.transport.connectors.base import AFDConnectionError
-from vllm.afd.transport.connectors.socket_link import SocketLink
+from vllm.afd.transport.connectors.socket_stream import SocketStream
 from vllm.afd.transport.connectors.shm_frames import ShmFrames
 from vllm.afd.transport.connectors.tcp_frames import TcpFrames, socket_frame_template
 from vllm.afd.transport.wire import StepHeader
@@ -52,7 +52,7 @@ def test_layer_calls_go_through_prepared_calls_on_both_ends():
     assert ffn.fast_calls == 2 * calls
     payload = sum(steps) * layers * HIDDEN * 4
     header = sum(len(socket_frame_template(torch.float32, rows, HIDDEN, 0,
-                                           SocketLink.prefix)[0]) for rows in steps) * layers
+                                           SocketStream.prefix)[0]) for rows in steps) * layers
     assert ffn.bytes_received - attn.bytes_sent == 0
     assert attn.bytes_received == ffn.bytes_sent
     assert ffn.bytes_sent >= payload + header  # and the goodbye's, the step headers'
@@ -87,7 +87,7 @@ def test_the_general_paths_frames_are_read_by_the_general_receive():
 def expected_frame(step: int, layer: int, ubatch: int, rows: int) -> tuple[bytes, int]:
     """The prepared frame's bytes up to its payload, and the payload's size."""
     encoded, step_at, layer_at, ubatch_at, nbytes = socket_frame_template(
-        torch.float32, rows, HIDDEN, 0, SocketLink.prefix)
+        torch.float32, rows, HIDDEN, 0, SocketStream.prefix)
     frame = bytearray(encoded)
     for at, value, width in ((step_at, step, 8), (layer_at, layer, 4), (ubatch_at, ubatch, 4)):
         frame[at:at + width] = value.to_bytes(width, "big")
@@ -104,8 +104,8 @@ def half_an_answer(ffn, attn) -> torch.Tensor:
     ffn.recv_step(0)
     ffn.recv_hidden(0, 0, 0)
     frame, nbytes = expected_frame(1, 0, 0, 2)
-    ffn._links[0].sock.setblocking(True)
-    ffn._links[0].sock.sendall(frame + bytes(nbytes // 2))
+    ffn._streams[0].sock.setblocking(True)
+    ffn._streams[0].sock.sendall(frame + bytes(nbytes // 2))
     return out
 
 
@@ -129,7 +129,7 @@ def test_a_peer_that_stops_mid_payload_fails_the_connector_with_the_payloads_err
 def test_a_peer_gone_mid_payload_fails_the_connector_at_once():
     ffn, attn = tcp_pair()
     out = half_an_answer(ffn, attn)
-    ffn._links[0].sock.shutdown(socket.SHUT_RDWR)
+    ffn._streams[0].sock.shutdown(socket.SHUT_RDWR)
     with pytest.raises(AFDConnectionError, match="closed the connection .* received the "
                                                  "payload of the output of layer 0"):
         attn.recv_call(0, 0, out)
@@ -168,14 +168,14 @@ def test_the_link_and_the_loop_take_prepared_calls():
         assert loop.ready.wait(10)
         link.start()
         for rows in [1, 5, 32]:
-            link.begin_step(StepPlan(num_tokens=(rows,)))
+            link.begin_step(ForwardPass(num_tokens=(rows,)))
             h = torch.randn(rows, HIDDEN)
             for layer in layers:
                 out = link.exchange(layer, h)
                 torch.testing.assert_close(out, h @ weight + layer, rtol=0, atol=0)
             link.end_step()
         hidden = [torch.randn(2, HIDDEN), torch.randn(3, HIDDEN)]
-        link.begin_step(StepPlan(num_tokens=(2, 3)))
+        link.begin_step(ForwardPass(num_tokens=(2, 3)))
 
         def run(u):
             return [link.exchange(layer, hidden[u]) for layer in layers]

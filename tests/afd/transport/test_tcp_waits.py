@@ -16,7 +16,7 @@ import torch
 
 from vllm.afd.adapter.config import AFDConfig
 from vllm.afd.transport.connectors import AFDConnectionError, create_connector
-from vllm.afd.transport.connectors.socket_link import MAGIC, PREFIX, SocketLink
+from vllm.afd.transport.connectors.socket_stream import MAGIC, PREFIX, SocketStream
 from vllm.afd.transport.wire import StepHeader
 from helpers.connectors import HIDDEN, Background, free_port
 from helpers.pairs import echo, run_steps, wait_cpu_times
@@ -49,7 +49,7 @@ def test_spinning_waits_catch_the_answers_and_keep_them_exact(spin_us):
     run_steps(attn, [[3, 2], [1, 4], [5]], layers=3)
     attn.close()
     assert serving.join_result() == 3
-    caught = attn._links[0].spin_hits, ffn._links[0].spin_hits
+    caught = attn._streams[0].spin_hits, ffn._streams[0].spin_hits
     ffn.close()
     if spin_us:
         # 15 answers and 15 hidden frames within steps, each sent right away
@@ -63,14 +63,14 @@ def test_idle_waits_do_not_spin_and_late_answers_spin_only_spin_us():
     once; a wait for an answer spins at most spin_us, then sleeps. Process CPU
     time over each wait shows it (bounds with room for the test's threads)."""
     ffn, attn = pair(spin_us=50_000)  # 50 ms
-    caught = attn._links[0].spin_hits
+    caught = attn._streams[0].spin_hits
     idle_cpu, waited_cpu = wait_cpu_times(ffn, attn)  # the answer 0.5 s late
     attn.close()
     ffn.close()
     assert idle_cpu < 0.05, f"an idle tcp link burnt {idle_cpu:.3f}s of CPU in 1 s"
     assert waited_cpu < 0.05 + 0.1, f"a 0.5 s wait burnt {waited_cpu:.3f}s of CPU"
     # and the late answer came after the spin: the sleep got it
-    assert attn._links[0].spin_hits == caught
+    assert attn._streams[0].spin_hits == caught
 
 
 @pytest.mark.parametrize("pause_s", [0.01, 0.3])
@@ -78,7 +78,7 @@ def test_a_frame_whose_start_the_spin_caught_is_read_on_from_there(pause_s):
     """The spin may catch only the first bytes of a frame's prefix; the rest
     (within the spin's time or after it) is read after them, not over them."""
     a, b = socket.socketpair()
-    link = SocketLink(b, "test peer", stall_timeout_s=5, spin_s=0.1)
+    link = SocketStream(b, "test peer", stall_timeout_s=5, spin_s=0.1)
     header = b"header bytes of a frame"
     frame = PREFIX.pack(MAGIC, len(header), 0) + header
 
@@ -105,7 +105,7 @@ def test_a_peer_gone_during_the_spin_is_noticed_at_once():
     ffn.recv_step(0)
     attn.send_hidden(0, 0, torch.ones(1, HIDDEN))
     ffn.recv_hidden(0, 0, 0)
-    closing = threading.Timer(0.1, ffn._links[0].sock.close)
+    closing = threading.Timer(0.1, ffn._streams[0].sock.close)
     t0 = time.monotonic()
     closing.start()
     with pytest.raises(AFDConnectionError):

@@ -491,14 +491,14 @@ def check_graphs(args) -> str:
             with torch.cuda.graph(g_head):
                 head()
             del x0
-            from vllm.afd.attention.link import StepPlan
+            from vllm.afd.attention.link import ForwardPass
             from vllm.afd.transport.device import DeviceContext
 
             for seed in (12, 13):  # replays with new inputs
                 new, _ = sample_batch(1, "cuda", seed=seed)
                 new = new[:n] if new.numel() >= n else torch.cat([new, new])[:n]
                 static_tokens.copy_(new)
-                attn.link.begin_step(StepPlan(num_tokens=(n,),
+                attn.link.begin_step(ForwardPass(num_tokens=(n,),
                                               device=DeviceContext.current("cuda")))
                 for i, g in enumerate(graphs):
                     g.replay()

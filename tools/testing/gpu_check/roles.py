@@ -16,7 +16,7 @@ import torch
 
 from model import MoE, TinyMoEDecoder  # noqa: I001 (tools/testing/gpu_check on sys.path)
 from servers import free_port  # noqa: F401  (tools/serving on sys.path; race-free ports)
-from vllm.afd.attention.link import AttentionLink, StepPlan
+from vllm.afd.attention.link import AttentionLink, ForwardPass
 from vllm.afd.attention.pingpong import run_micro_batches
 from vllm.afd.ffn.loop import FFNLoop
 from vllm.afd.topology import FFNPlacement
@@ -152,8 +152,8 @@ class AttentionRole:
         context = self.context or DeviceContext.current(self.device)
         sizes = [sum(u) for u in ubatches]
         starts = [sum(sizes[:u]) for u in range(len(sizes))]
-        self.link.begin_step(StepPlan(num_tokens=tuple(sizes), kind=kind, device=context)
-                             if kind == "real" else StepPlan(kind=kind))
+        self.link.begin_step(ForwardPass(num_tokens=tuple(sizes), kind=kind, device=context)
+                             if kind == "real" else ForwardPass(kind=kind))
         failed = True
         try:
             def run(u: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ vLLM model it loaded: the layers to serve, a compute function that runs one
 layer's mlp in vLLM's forward context (with received routing when gate_on is
 "attention"), the model fingerprint and the worker's rank, device and stream.
 A multi-worker (TP/EP) FFN server's workers also get the channel on which the
-lead sends its batch plans to the followers (ffn/plan.py).
+lead sends its batch orders to the followers (ffn/orders.py).
 """
 
 from datetime import timedelta
@@ -51,7 +51,7 @@ def build_ffn_loop(vllm_config, model: torch.nn.Module, worker_rank: int):
         afd.link_config(), layers=list(mlps), compute=compute,
         hidden_size=mc.get_hidden_size(), dtype=mc.dtype,
         max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-        placement=placement, plans=plan_channel(placement),
+        placement=placement, orders=order_channel(placement),
         routed_layers=getattr(model, "afd_routed_layers", {}),
         fingerprint=model_fingerprint(vllm_config),
         connector_kwargs=connector_kwargs(afd.connector))
@@ -60,12 +60,12 @@ def build_ffn_loop(vllm_config, model: torch.nn.Module, worker_rank: int):
 # A follower's receive waits this long for the lead's next message: the lead
 # sends one at least every batcher.KEEPALIVE_S once serving, and warm-up (before
 # it) takes far less.
-PLAN_TIMEOUT = timedelta(hours=2)
+ORDER_TIMEOUT = timedelta(hours=2)
 
 
-def plan_channel(placement):
-    """The batch plans' channel of a multi-worker FFN server (None for one
-    worker): a gloo group of its own for the server's workers, so a plan's
+def order_channel(placement):
+    """The batch orders' channel of a multi-worker FFN server (None for one
+    worker): a gloo group of its own for the server's workers, so an order's
     broadcast never interleaves with the collectives the mlp itself issues
     (vLLM's TP/EP groups, on the compute threads). Called on every worker, in
     the same order (afd_start_ffn_loop runs on all of them through
@@ -75,7 +75,7 @@ def plan_channel(placement):
         return None
     import torch.distributed as dist
 
-    from vllm.afd.ffn.plan import TorchDistChannel
+    from vllm.afd.ffn.orders import TorchDistChannel
     from vllm.distributed.parallel_state import get_tp_group
 
     tp = get_tp_group()
@@ -86,7 +86,7 @@ def plan_channel(placement):
     # As vLLM builds its own groups: every rank creates every TP group's (one
     # here: no pipeline or data parallelism on the FFN role).
     for ranks in tp.group_ranks:
-        group = dist.new_group(ranks, backend="gloo", timeout=PLAN_TIMEOUT)
+        group = dist.new_group(ranks, backend="gloo", timeout=ORDER_TIMEOUT)
         if tp.rank in ranks:
             mine = TorchDistChannel(group, lead_rank=ranks[0])
     return mine

@@ -4,7 +4,7 @@
 
 The runner drives it through an explicit step API:
 
-    link.begin_step(StepPlan(num_tokens=[n0, n1], kind="real", device=ctx))
+    link.begin_step(ForwardPass(num_tokens=[n0, n1], kind="real", device=ctx))
     link.exchange(layer, hidden_states, out)      # per layer and micro-batch
     link.end_step()
 
@@ -64,7 +64,7 @@ STEP_KINDS = (REAL, PROFILE, WARMUP, CAPTURE)
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class ForwardPass:
     """One forward pass, as the runner describes it to the link."""
 
     num_tokens: tuple[int, ...] = ()  # per micro-batch (real steps)
@@ -73,9 +73,9 @@ class StepPlan:
 
     def __post_init__(self) -> None:
         if self.kind not in STEP_KINDS:
-            raise ValueError(f"StepPlan.kind: {self.kind!r} is not one of {STEP_KINDS}")
+            raise ValueError(f"ForwardPass.kind: {self.kind!r} is not one of {STEP_KINDS}")
         if self.kind == REAL and not self.num_tokens:
-            raise ValueError("StepPlan: a real step needs its tokens per micro-batch")
+            raise ValueError("ForwardPass: a real step needs its tokens per micro-batch")
 
     @property
     def is_real(self) -> bool:
@@ -111,7 +111,7 @@ class AttentionLink:
         self.layers: list[int] = []
         self.routing_topk = 0  # experts per token of the routed layers (0: none)
         self.step_id = 0
-        self.plan: StepPlan | None = None  # the run in progress, any kind
+        self.forward_pass: ForwardPass | None = None  # the run in progress, any kind
         self.step: Step | None = None  # the real step in progress
         self.dummy_runs: dict[str, int] = {}  # runs per kind that never touched the link
         self.stats = LinkStats()
@@ -246,18 +246,18 @@ class AttentionLink:
         return reason
 
     # -------------------------------------------------------------- the step
-    def begin_step(self, plan: StepPlan) -> None:
+    def begin_step(self, forward: ForwardPass) -> None:
         """Start a forward pass. A real step is announced to a ready pool member
         (raises AFDLinkDown when none is reachable); other kinds never touch it."""
-        if self.plan is not None:
-            raise RuntimeError(f"AFD attention rank {self.rank}: begin_step({plan.kind}) "
-                               f"while a {self.plan.kind} step is in progress")
-        if not plan.is_real:
-            self.plan = plan
-            self.dummy_runs[plan.kind] = self.dummy_runs.get(plan.kind, 0) + 1
+        if self.forward_pass is not None:
+            raise RuntimeError(f"AFD attention rank {self.rank}: begin_step({forward.kind}) "
+                               f"while a {self.forward_pass.kind} step is in progress")
+        if not forward.is_real:
+            self.forward_pass = forward
+            self.dummy_runs[forward.kind] = self.dummy_runs.get(forward.kind, 0) + 1
             return
-        if len(plan.num_tokens) > self.config.num_ubatches:
-            raise ValueError(f"AFD: a step of {len(plan.num_tokens)} micro-batches, but "
+        if len(forward.num_tokens) > self.config.num_ubatches:
+            raise ValueError(f"AFD: a step of {len(forward.num_tokens)} micro-batches, but "
                              f"num_ubatches is {self.config.num_ubatches}")
         with self._lock:
             member = self.pool.next_member()
@@ -269,18 +269,18 @@ class AttentionLink:
             if member is None:
                 raise AFDLinkDown(self.unavailable_reason())
         self.step_id += 1
-        step = Step(self.step_id, plan.num_tokens, member, len(self.layers), now())
-        self.plan, self.step = plan, step
+        step = Step(self.step_id, forward.num_tokens, member, len(self.layers), now())
+        self.forward_pass, self.step = forward, step
         try:
-            member.send_step(StepHeader(step_id=step.id, num_tokens=list(plan.num_tokens)))
+            member.send_step(StepHeader(step_id=step.id, num_tokens=list(forward.num_tokens)))
             member.steps += 1
         except Exception as e:
             try:
                 self.resume.take_over(step, member, e, "the step header")
             except AFDLinkDown:
-                self.plan = self.step = None
+                self.forward_pass = self.step = None
                 raise
-        self.stats.tokens += sum(plan.num_tokens) * len(self.layers)
+        self.stats.tokens += sum(forward.num_tokens) * len(self.layers)
 
     def exchange(self, layer_idx: int, hidden_states: torch.Tensor,
                  out: torch.Tensor | None = None, routing: Routing | None = None,
@@ -351,7 +351,7 @@ class AttentionLink:
                              out: torch.Tensor | None) -> torch.Tensor:
         """Profile, warm-up and capture runs: shapes only, zeros; outside any
         step, the runner's error."""
-        if self.plan is None:
+        if self.forward_pass is None:
             raise RuntimeError(f"AFD attention rank {self.rank}: remote FFN layer "
                                f"{layer_idx} called outside a step; the model runner names "
                                f"every forward pass (begin_step)")
@@ -432,7 +432,7 @@ class AttentionLink:
             self._publish()
 
     def _end_step(self, failed: bool) -> None:
-        step, self.step, self.plan = self.step, None, None
+        step, self.step, self.forward_pass = self.step, None, None
         if step is None:
             return  # dummy runs never time a micro-batch choice
         for elapsed in step.round_trips:
@@ -488,7 +488,7 @@ class AttentionLink:
         Inside a step it waits for end_step: on the attention's core it would
         preempt the model thread's spin for the FFN's answer and hold the GIL
         it needs back (the document, its JSON and the file: ~0.1-1 ms)."""
-        if self.plan is not None:
+        if self.forward_pass is not None:
             self._publish_due = True
         else:
             self._publish()

@@ -23,26 +23,26 @@ was made of (each of their threads gets the exception), and nobody else's. A
 peer whose connection fails simply leaves (end), so the others stop waiting
 for it.
 
-Roles, for the workers of a tensor/expert-parallel FFN server (ffn/plan.py):
+Roles, for the workers of a tensor/expert-parallel FFN server (ffn/orders.py):
 all of them must make the same mlp calls in the same order, so
   "alone"     (one worker; the default) batches as above;
-  "lead"      batches as above, and sends each batch's mlp calls as a plan
+  "lead"      batches as above, and sends each batch's mlp calls as an order
               (layer and peers' token counts, in execution order) before
               running them; when one of its peers' sessions ends it sends
               ["gone", peer];
-  "follower"  never decides: a thread receives the lead's plans, and a call
-              runs when the next planned mlp call names its peer; that mlp
-              call is gathered from the named peers' calls in the plan's order.
+  "follower"  never decides: a thread receives the lead's orders, and a call
+              runs when the next ordered mlp call names its peer; that mlp
+              call is gathered from the named peers' calls in the order's sequence.
               Each peer has at most one call pending (its session thread waits
-              in compute), so a plan names calls by peer; a planned call of
-              another layer or size is a PlanError naming both. Every wait is
-              bounded by timeout_s: a planned call that does not arrive in
-              time is a PlanError too. A PlanError breaks the follower (its mlp
+              in compute), so an order names calls by peer; an ordered call of
+              another layer or size is an OrderError naming both. Every wait is
+              bounded by timeout_s: an ordered call that does not arrive in
+              time is an OrderError too. An OrderError breaks the follower (its mlp
               calls no longer pair with the lead's collectives): it fails every
-              call from then on. A call no plan names within timeout_s fails
+              call from then on. A call no order names within timeout_s fails
               alone. ["gone", peer] fails that peer's waiting call if it came
-              before the message (the lead will never plan it; a call of the
-              peer's next session, arriving later, waits for its plans).
+              before the message (the lead will never order it; a call of the
+              peer's next session, arriving later, waits for its orders).
 """
 
 import logging
@@ -53,7 +53,7 @@ from collections.abc import Callable
 
 import torch
 
-from vllm.afd.ffn.plan import PlanChannel, PlanError
+from vllm.afd.ffn.orders import OrderChannel, OrderError
 from vllm.afd.transport.connectors.codec import Packed
 from vllm.afd.transport.wire import Routing
 
@@ -93,16 +93,16 @@ class LayerBatcher:
 
     def __init__(self, run_mlp: Callable[..., torch.Tensor], max_tokens: int,
                  window_s: float = DEFAULT_WINDOW_S, *, role: str = "alone",
-                 plans: PlanChannel | None = None, timeout_s: float = 60.0) -> None:
+                 orders: OrderChannel | None = None, timeout_s: float = 60.0) -> None:
         if role not in ROLES:
             raise ValueError(f"LayerBatcher role: {role!r} is not one of {ROLES}")
-        if (role == "alone") != (plans is None):
-            raise ValueError(f"LayerBatcher role {role!r}: a plan channel is needed exactly "
+        if (role == "alone") != (orders is None):
+            raise ValueError(f"LayerBatcher role {role!r}: an order channel is needed exactly "
                              f"for 'lead' and 'follower'")
         self.run_mlp = run_mlp
         self.max_tokens = max_tokens
         self.window_s = window_s
-        self.role, self.plans, self.timeout_s = role, plans, timeout_s
+        self.role, self.orders, self.timeout_s = role, orders, timeout_s
         self._lock = threading.Lock()
         self.cv = threading.Condition(self._lock)
         self.sleepers = 0  # compute() calls asleep in the batching path's cv.wait
@@ -115,22 +115,22 @@ class LayerBatcher:
         self.closed = False
         # lead
         self._last_sent = time.monotonic()
-        # follower: peer -> its waiting call; the lead's plans not run yet, one
+        # follower: peer -> its waiting call; the lead's orders not run yet, one
         # ("run", layer, [(peer, num_tokens), ...]) or ("gone", peer, seq) each
         self.waiting: dict[int, _Call] = {}
         self.todo: deque[tuple] = deque()
         self.head_since = time.monotonic()  # when todo[0] became the next to run
         self.seq = 0
-        self.broken: PlanError | None = None
+        self.broken: OrderError | None = None
         self.receiver: threading.Thread | None = None
         if role == "follower":
             self.receiver = threading.Thread(target=self._receive, daemon=True,
-                                             name="afd-ffn-plans")
+                                             name="afd-ffn-orders")
             self.receiver.start()
 
-    # --- lead: sending plans ----------------------------------------------
+    # --- lead: sending orders ----------------------------------------------
     def _send(self, message: list) -> None:
-        self.plans.send(message)  # thread-safe (PlanChannel)
+        self.orders.send(message)  # thread-safe (OrderChannel)
         self._last_sent = time.monotonic()
 
     def leave(self, peer: int) -> None:
@@ -155,8 +155,8 @@ class LayerBatcher:
             if self.closed:
                 return
             self.closed = True
-            if self.role == "follower":  # its waiting calls will never be planned now
-                self.broken = self.broken or PlanError("AFD FFN follower: the loop stopped")
+            if self.role == "follower":  # its waiting calls will never be ordered now
+                self.broken = self.broken or OrderError("AFD FFN follower: the loop stopped")
                 self._break(self.broken)
             self.cv.notify_all()
         if self.role == "lead":
@@ -167,7 +167,7 @@ class LayerBatcher:
 
     def _send_stop(self) -> None:
         try:
-            self.plans.send(["stop"])
+            self.orders.send(["stop"])
         except Exception as e:  # noqa: BLE001 - stopping anyway
             logger.debug("AFD FFN lead: stop not sent: %s", e)
 
@@ -287,7 +287,7 @@ class LayerBatcher:
         if self.role == "lead":
             # Sent before running: the followers start while the lead computes,
             # and meet it in each mlp call's collectives.
-            self._send(["plan", [[layer, [[c.peer, c.h.shape[0]] for c in group]]
+            self._send(["batch", [[layer, [[c.peer, c.h.shape[0]] for c in group]]
                                  for layer, group in groups]])
         for layer, group in groups:
             try:
@@ -336,11 +336,11 @@ class LayerBatcher:
         """The follower's receiving thread: the lead's messages, in order, into todo."""
         while True:
             try:
-                message = self.plans.recv()
-            except BaseException as e:  # noqa: BLE001 - the plans are lost for good
+                message = self.orders.recv()
+            except BaseException as e:  # noqa: BLE001 - the orders are lost for good
                 with self.cv:
                     if not self.closed:
-                        self._break(PlanError(f"AFD FFN follower: the lead's plans were "
+                        self._break(OrderError(f"AFD FFN follower: the lead's orders were "
                                               f"lost: {type(e).__name__}: {e}"))
                 return
             kind = message[0]
@@ -351,7 +351,7 @@ class LayerBatcher:
                     return
                 if not self.todo:
                     self.head_since = time.monotonic()
-                if kind == "plan":
+                if kind == "batch":
                     for layer, rows in message[1]:
                         self.todo.append(("run", layer, [(p, n) for p, n in rows]))
                 elif kind == "gone":
@@ -359,7 +359,7 @@ class LayerBatcher:
                     self.todo.append(("gone", message[1], self.seq))
                 self.cv.notify_all()
 
-    def _break(self, error: PlanError) -> None:
+    def _break(self, error: OrderError) -> None:
         """The follower can no longer pair its mlp calls with the lead's (called
         with self.cv held): every call, waiting or to come, fails with error."""
         if self.broken is None:
@@ -371,7 +371,7 @@ class LayerBatcher:
         self.cv.notify_all()
 
     def _next_group(self) -> "tuple[int, list[_Call]] | None":
-        """The next planned mlp call, when all its calls are here (self.cv held).
+        """The next ordered mlp call, when all its calls are here (self.cv held).
         Applies the ["gone", peer] messages before it."""
         while self.todo and self.todo[0][0] == "gone":
             _, peer, seq = self.todo.popleft()
@@ -379,9 +379,9 @@ class LayerBatcher:
             call = self.waiting.get(peer)
             if call is not None and call.seq < seq:
                 del self.waiting[peer]
-                call.error = PlanError(f"AFD FFN follower: the lead's session of attention "
+                call.error = OrderError(f"AFD FFN follower: the lead's session of attention "
                                        f"rank {peer} ended before its layer {call.layer} "
-                                       f"call was planned")
+                                       f"call was ordered")
                 call.done = True
                 self.cv.notify_all()
         if not self.todo:
@@ -393,8 +393,8 @@ class LayerBatcher:
             if call is None:
                 return None
             if call.layer != layer or call.h.shape[0] != n:
-                self._break(PlanError(
-                    f"AFD FFN follower: the lead planned layer {layer} with {n} token(s) of "
+                self._break(OrderError(
+                    f"AFD FFN follower: the lead ordered layer {layer} with {n} token(s) of "
                     f"attention rank {peer}, but this worker has layer {call.layer} with "
                     f"{call.h.shape[0]} token(s) of it"))
                 return None
@@ -404,7 +404,7 @@ class LayerBatcher:
             del self.waiting[call.peer]
         return layer, calls
 
-    def _planned(self, peer: int) -> bool:
+    def _ordered(self, peer: int) -> bool:
         return any(item[0] == "run" and any(p == peer for p, _ in item[2])
                    for item in self.todo)
 
@@ -420,8 +420,8 @@ class LayerBatcher:
             self.waiting[call.peer] = call
             self.cv.notify_all()
         while True:
-            # Whoever finds the next planned mlp call ready runs it, its own or
-            # not (one at a time, in the plan's order), then looks again.
+            # Whoever finds the next ordered mlp call ready runs it, its own or
+            # not (one at a time, in the order's sequence), then looks again.
             found = self._await_turn(call)
             if found is None:
                 return call.result()
@@ -441,7 +441,7 @@ class LayerBatcher:
                     self.cv.notify_all()
 
     def _await_turn(self, call: _Call) -> "tuple[int, list[_Call]] | None":
-        """None when `call` is done; else the next planned mlp call, ready to
+        """None when `call` is done; else the next ordered mlp call, ready to
         run by this thread (self.computing set)."""
         with self.cv:
             while True:
@@ -464,16 +464,16 @@ class LayerBatcher:
                 if not self.computing and self.todo and now - self.head_since > self.timeout_s:
                     _, layer, rows = self.todo[0]
                     missing = [p for p, _ in rows if p not in self.waiting]
-                    self._break(PlanError(
-                        f"AFD FFN follower: the lead planned layer {layer} with attention "
+                    self._break(OrderError(
+                        f"AFD FFN follower: the lead ordered layer {layer} with attention "
                         f"rank(s) {[p for p, _ in rows]}, but the call(s) of {missing} did "
                         f"not arrive within {self.timeout_s:g}s"))
                     continue
-                if (self.waiting.get(call.peer) is call and not self._planned(call.peer)
+                if (self.waiting.get(call.peer) is call and not self._ordered(call.peer)
                         and now - call.since > self.timeout_s):
                     del self.waiting[call.peer]
-                    call.error = PlanError(
-                        f"AFD FFN follower: the lead planned no call for layer {call.layer} "
+                    call.error = OrderError(
+                        f"AFD FFN follower: the lead ordered no call for layer {call.layer} "
                         f"of attention rank {call.peer} within {self.timeout_s:g}s")
                     call.done = True
                     continue

@@ -19,8 +19,8 @@ device and stream of whoever started it, and:
    run at once). In a tensor/expert-parallel FFN server (topology.py) every
    worker computes every token of every peer; only the group's lead answers.
    Its workers' mlp calls meet in vLLM's collectives, so they must be the same
-   on all of them: the lead's batcher decides and sends each batch as a plan
-   over `plans` (ffn/plan.py), the followers' batchers run exactly those.
+   on all of them: the lead's batcher decides and sends each batch as an order
+   over `orders` (ffn/orders.py), the followers' batchers run exactly those.
 
 A failing mlp call is reported to the attention peers whose tokens it held
 (an ErrorFrame), so their servers' errors name it, and ends their sessions. A
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from vllm.afd.ffn.batcher import LayerBatcher
-from vllm.afd.ffn.plan import PlanChannel, PlanError
+from vllm.afd.ffn.orders import OrderChannel, OrderError
 from vllm.afd.observability.metrics import LATENCY_BUCKETS_S, TOKEN_BUCKETS, Histogram
 from vllm.afd.observability.stats import LinkStats, now
 from vllm.afd.topology import FFNPlacement
@@ -87,13 +87,13 @@ class FFNLoop:
                  fingerprint: dict[str, str] | None = None,
                  connector_kwargs: dict[str, Any] | None = None,
                  warmup_sizes: list[int] | None = None,
-                 plans: PlanChannel | None = None,
+                 orders: OrderChannel | None = None,
                  on_thread: Callable[[str, DeviceContext], None] | None = None):
         """layers: the decoder layers to serve. routed_layers: MoE layer ->
         experts per token, when gate_on is "attention" (their routing comes
         with the hidden states). warmup_sizes: token counts to warm up with
-        (default warmup_buckets(max_tokens); [] for none). plans: the channel
-        of a multi-worker group's batch plans (the lead sends, the followers
+        (default warmup_buckets(max_tokens); [] for none). orders: the channel
+        of a multi-worker group's batch orders (the lead sends, the followers
         follow; None for a worker alone)."""
         self.config = LinkConfig.of(config)
         self.placement = placement
@@ -117,9 +117,9 @@ class FFNLoop:
         self._threads: dict[int, threading.Thread] = {}
         self._lock = threading.Lock()
         # Shared by every session: joins the same layer of the peers inside a step.
-        role = "alone" if plans is None else "lead" if placement.is_lead else "follower"
+        role = "alone" if orders is None else "lead" if placement.is_lead else "follower"
         self.batcher = LayerBatcher(self._run_mlp, max_tokens=max_tokens, role=role,
-                                    plans=plans, timeout_s=self.config.timeout_s)
+                                    orders=orders, timeout_s=self.config.timeout_s)
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
         self.error: str | None = None  # fatal: the loop stopped
@@ -177,7 +177,7 @@ class FFNLoop:
                 "steps": stats.steps, "stats": stats.as_dict(),
                 "rank": self.placement.rank, "group": self.placement.group,
                 "batching": self.batcher.role,
-                "plan_error": None if self.batcher.broken is None else str(self.batcher.broken),
+                "order_error": None if self.batcher.broken is None else str(self.batcher.broken),
                 "serving": list(self.serving), "last_peer_error": self.last_error,
                 "last_refusal": self._last_refusal(), "warmup": dict(self.warmup),
                 "layers": list(self.layers), "link": self.document()}
@@ -333,7 +333,7 @@ class FFNLoop:
         finally:
             conn.close()
             # Before the rank may connect again (still in _sessions): the
-            # followers drop its call that no plan will name.
+            # followers drop its call that no order will name.
             self.batcher.leave(peer)
             with self._lock:
                 if self._sessions.get(peer) is conn:
@@ -433,7 +433,7 @@ class FFNLoop:
                     try:
                         batcher.compute(layer_idx, h, peer, routing, partial(
                             conn.reply_call, peer, layer_idx, u) if answer else None)
-                    except (FFNComputeError, PlanError) as e:
+                    except (FFNComputeError, OrderError) as e:
                         # The attention side fails with this text, not "goodbye".
                         conn.report_error(str(e))
                         raise

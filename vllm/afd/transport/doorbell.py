@@ -59,7 +59,7 @@ one, and the spin goes on. spin_us 0: never spin (every wait sleeps).
 
 The per-message path is C (csrc/cpu/lane.cpp, a `Lane` per connection):
 sending copies the payload into its slot, writes the entry and publishes it
-in one call; receiving waits, checks and consumes in one. RingLink below is
+in one call; receiving waits, checks and consumes in one. RingStream below is
 the general path (any message, its header decoded in Python); the shm
 connector's layer calls take the fast path (connectors/shm_frames.py, step_calls.py), which checks
 a layer frame by comparing its bytes with the header it expects. Why C: on a
@@ -78,8 +78,8 @@ import time
 
 import torch
 
-from vllm.afd.transport.connectors.socket_link import _HANGUP as HANGUP
-from vllm.afd.transport.connectors.socket_link import SocketLink
+from vllm.afd.transport.connectors.socket_stream import _HANGUP as HANGUP
+from vllm.afd.transport.connectors.socket_stream import SocketStream
 from vllm.afd.transport.errors import LinkClosed, LinkTimeout, WaitCallback
 from vllm.afd.transport.wire import ProtocolError
 
@@ -129,13 +129,13 @@ class Ring:
     # cannot unmap under it). The region goes when the last reference does.
 
 
-class RingLink(SocketLink):
-    """A SocketLink whose messages travel through two rings (send, receive)
+class RingStream(SocketStream):
+    """A SocketStream whose messages travel through two rings (send, receive)
     instead of the socket; the socket only wakes sleepers and reports EOF."""
 
     frame_overhead = 4  # the entry's length word
 
-    def __init__(self, link: SocketLink, send_ring: Ring, recv_ring: Ring,
+    def __init__(self, link: SocketStream, send_ring: Ring, recv_ring: Ring,
                  spin_us: float, stream_copies: str = "auto") -> None:
         super().__init__(link.sock, link.name, link.stall_timeout_s)
         # Both rings stay referenced as long as the lane (their addresses) is.
@@ -168,7 +168,7 @@ class RingLink(SocketLink):
 
     def send(self, header: bytes, payload, deadline: float) -> int:
         if payload is not None:  # shm payloads travel in their slots
-            raise ValueError("RingLink carries headers only")
+            raise ValueError("RingStream carries headers only")
         n = len(header)
         if n > ENTRY_BYTES - self.frame_overhead:
             raise ProtocolError(f"message of {n} bytes to {self.name}: the shm ring holds at "

@@ -110,7 +110,7 @@ class HandshakeMixin:
             differ("max_tokens", f"at most {self.max_tokens}", hello.max_tokens)
         if hello.rank not in self.expected_peers():
             differ("rank", f"one of {self.expected_peers()}", hello.rank)
-        elif hello.rank in self._links or hello.rank in self._busy:
+        elif hello.rank in self._streams or hello.rank in self._busy:
             problems.append(f"rank: attention rank {hello.rank} is already connected")
         unavailable = wire.FINGERPRINT_UNAVAILABLE
         for key in sorted(set(hello.fingerprint) & set(self.fingerprint)):
@@ -198,12 +198,12 @@ class HandshakeMixin:
         the connection was dropped (not an AFD peer, failed authentication, or
         a mismatched configuration: told why, logged, counted; see refusals).
         The caller closes a dropped link and keeps accepting."""
-        key = -1 - len(self._links)  # temporary slot until the Hello names the rank
-        self._links[key] = link
+        key = -1 - len(self._streams)  # temporary slot until the Hello names the rank
+        self._streams[key] = link
         try:
             return self._admit(key, source, deadline)
         except _Dropped:
-            self._links.pop(key, None)
+            self._streams.pop(key, None)
             self._failure = None  # the receive helpers marked the connector failed
             return None
 
@@ -226,9 +226,9 @@ class HandshakeMixin:
         if problems:
             self._refuse(key, label, "; ".join(problems), deadline)
         peer = hello.rank
-        self._links[peer] = self._links.pop(key)
-        if hasattr(self._links[peer], "name"):  # links that name their peer in messages
-            self._links[peer].name = label
+        self._streams[peer] = self._streams.pop(key)
+        if hasattr(self._streams[peer], "name"):  # links that name their peer in messages
+            self._streams[peer].name = label
         try:
             ack = HelloAck(accepted=True, rank=self.rank, group=self.ffn_group,
                            transport=self._ack_transport(peer, hello.transport))
@@ -237,11 +237,11 @@ class HandshakeMixin:
                                            "the handshake confirmation (HelloConfirm)", label,
                                            deadline, auth_step=False)
         except BaseException:
-            self._links[key] = self._links.pop(peer)
+            self._streams[key] = self._streams.pop(peer)
             self._on_refused(peer)
             raise
         if not confirm.accepted:
-            self._links[key] = self._links.pop(peer)
+            self._streams[key] = self._streams.pop(peer)
             self._on_refused(peer)
             self.refusals.append(f"{label}: refused our HelloAck: {confirm.reason}")
             self.handshake_failures += 1
@@ -251,7 +251,7 @@ class HandshakeMixin:
         try:
             self._on_confirmed(peer)  # e.g. NCCL init, with its own deadline
         except Exception as e:  # noqa: BLE001 - this peer fails, the server goes on
-            self._links[key] = self._links.pop(peer)
+            self._streams[key] = self._streams.pop(peer)
             self._on_refused(peer)
             self._drop(label, e, auth_failure=False)
         return peer

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 import vllm.forward_context as forward_context_module
-from vllm.afd.attention.link import CAPTURE, PROFILE, REAL, WARMUP, AttentionLink, StepPlan
+from vllm.afd.attention.link import CAPTURE, PROFILE, REAL, WARMUP, AttentionLink, ForwardPass
 from vllm.afd.attention.pingpong import run_micro_batches
 from vllm.afd.attention.ubatch_rule import UbatchRule
 from vllm.afd.transport.device import DeviceContext
@@ -199,9 +199,10 @@ def model_forward(vllm_config, model: Callable, input_ids=None, positions=None,
     ctx = get_forward_context()
     slices = ctx.ubatch_slices if num_ubatches_for(vllm_config) > 1 else None
     num_tokens = _tokens_of(input_ids, positions, inputs_embeds)
-    plan = StepPlan(num_tokens=tuple(s.num_tokens for s in slices) if slices else (num_tokens,),
-                    kind=REAL, device=DeviceContext.current(vllm_config.device_config.device))
-    link.begin_step(plan)
+    tokens = tuple(s.num_tokens for s in slices) if slices else (num_tokens,)
+    forward = ForwardPass(num_tokens=tokens, kind=REAL,
+                          device=DeviceContext.current(vllm_config.device_config.device))
+    link.begin_step(forward)
     failed = True
     try:
         if slices is None:
@@ -209,7 +210,7 @@ def model_forward(vllm_config, model: Callable, input_ids=None, positions=None,
                         intermediate_tensors=intermediate_tensors,
                         inputs_embeds=inputs_embeds, **model_kwargs)
         else:
-            out = _ping_pong(vllm_config, model, ctx, slices, plan, input_ids, positions,
+            out = _ping_pong(vllm_config, model, ctx, slices, forward, input_ids, positions,
                              intermediate_tensors, inputs_embeds, model_kwargs)
         failed = False
         return out
@@ -217,7 +218,7 @@ def model_forward(vllm_config, model: Callable, input_ids=None, positions=None,
         link.end_step(failed=failed)
 
 
-def _ping_pong(vllm_config, model, ctx, slices, plan: StepPlan, input_ids, positions,
+def _ping_pong(vllm_config, model, ctx, slices, forward: ForwardPass, input_ids, positions,
                intermediate_tensors, inputs_embeds, model_kwargs):
     num_tokens = sum(s.num_tokens for s in slices)
     slot_mapping = ctx.slot_mapping if isinstance(ctx.slot_mapping, list) else None
@@ -247,7 +248,7 @@ def _ping_pong(vllm_config, model, ctx, slices, plan: StepPlan, input_ids, posit
             **{k: _slice_tokens(v, s, num_tokens) for k, v in model_kwargs.items()})
 
     try:
-        results = run_micro_batches(list(plan.num_tokens), run, device=plan.device,
+        results = run_micro_batches(list(forward.num_tokens), run, device=forward.device,
                                     on_turn=on_turn)
     finally:
         forward_context_module._forward_context = ctx
@@ -264,7 +265,7 @@ def dummy_step(vllm_config, is_profile: bool, is_graph_capturing: bool) -> Itera
         yield
         return
     kind = PROFILE if is_profile else CAPTURE if is_graph_capturing else WARMUP
-    link.begin_step(StepPlan(kind=kind))
+    link.begin_step(ForwardPass(kind=kind))
     try:
         yield
     finally:

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from vllm.afd.attention.link import CAPTURE, PROFILE, REAL, WARMUP, StepPlan
+from vllm.afd.attention.link import CAPTURE, PROFILE, REAL, WARMUP, ForwardPass
 from vllm.afd.adapter.attention.runner import _attention_link, num_ubatches_for
 from vllm.afd.transport.device import DeviceContext
 
@@ -53,9 +53,9 @@ def in_capture_scope(method: Callable, runner, *args, **kwargs):
     """GPUModelRunner.capture_model (V2), called: all of it is a capture run,
     the dummy runs it makes inside included."""
     link = _attention_link(runner.vllm_config)
-    if link is None or link.plan is not None:
+    if link is None or link.forward_pass is not None:
         return method(runner, *args, **kwargs)
-    link.begin_step(StepPlan(kind=CAPTURE))
+    link.begin_step(ForwardPass(kind=CAPTURE))
     try:
         return method(runner, *args, **kwargs)
     finally:
@@ -68,16 +68,16 @@ def begin_step(vllm_config, dummy_run: bool, is_profile: bool, input_batch: Any,
     link's step (the model is called with the batch's tokens after padding;
     ubatch_state: the micro-batches AFD's runner prepared, or None)."""
     link = _attention_link(vllm_config)
-    if link is None or link.plan is not None:  # inside capture_model's capture run
+    if link is None or link.forward_pass is not None:  # inside capture_model's capture run
         return
     if dummy_run:
-        plan = StepPlan(kind=PROFILE if is_profile else WARMUP)
+        forward = ForwardPass(kind=PROFILE if is_profile else WARMUP)
     else:
         tokens = (tuple(s.num_tokens for s in ubatch_state.slices)
                   if ubatch_state is not None else (input_batch.num_tokens_after_padding,))
-        plan = StepPlan(num_tokens=tokens, kind=REAL,
-                        device=DeviceContext.current(vllm_config.device_config.device))
-    link.begin_step(plan)
+        forward = ForwardPass(num_tokens=tokens, kind=REAL,
+                              device=DeviceContext.current(vllm_config.device_config.device))
+    link.begin_step(forward)
     _tls.began = True
 
 
@@ -103,4 +103,4 @@ def ubatched_step(vllm_config, ubatch_runner, input_batch, dummy_run: bool) -> b
         return False
     link = _attention_link(vllm_config)
     rule = link.ubatch_rule if link is not None else None
-    return ubatch_runner.plan(input_batch, rule)
+    return ubatch_runner.split(input_batch, rule)

@@ -16,7 +16,7 @@ keeps V2's own slicing of the InputBatch and its per-micro-batch metadata
 (`prepare_attn(..., ubatch_idx=i)`), splits where AFD splits (balanced, whole
 requests for hybrid models: attention/runner.py `split_tokens`), and runs the
 micro-batches ping-ponged. It has V2's runner's `prepare` and `run`; the
-runner calls them only for steps `plan` split (runner_v2.ubatched_step).
+runner calls them only for steps that `split` divided (runner_v2.ubatched_step).
 """
 
 import numpy as np
@@ -63,7 +63,7 @@ class AFDUBatchRunner:
         self._slices: list[UBatchSlice] | None = None
 
     # ------------------------------------------------------------ the split
-    def plan(self, input_batch, rule) -> bool:
+    def split(self, input_batch, rule) -> bool:
         """Choose this real step's micro-batches (rule: the link's UbatchRule,
         which also starts timing the step); False when it runs whole."""
         tokens = np.asarray(input_batch.num_scheduled_tokens[:input_batch.num_reqs])
@@ -83,13 +83,13 @@ class AFDUBatchRunner:
 
     def prepare(self, input_batch, block_tables, slot_mappings, *graph_args,
                 for_capture: bool = False, **graph_kwargs) -> UBatchState:
-        """Each planned micro-batch's InputBatch, attention metadata and
+        """Each micro-batch's InputBatch, attention metadata and
         forward context. Micro-batched steps run eagerly, so what V2 passes
         about graphs (0.32: the graph mode; 0.34: the batch descriptor and the
         DP sync state) does not apply."""
         slices, self._slices = self._slices, None
         if slices is None:
-            raise RuntimeError("AFD micro-batches: prepare() without a plan() that split")
+            raise RuntimeError("AFD micro-batches: prepare() without a split() that split")
         contexts = []
         for i, s in enumerate(slices):
             ubatch = _slice_input_batch(input_batch, s, self.query_start_loc[i],

@@ -104,7 +104,7 @@ def _exchange(hidden_states: torch.Tensor, output: torch.Tensor | None,
     remote = _routed.get(layer_idx)
     link = get_link()
     routing = None
-    if remote is not None and link.plan is not None and link.plan.is_real:
+    if remote is not None and link.forward_pass is not None and link.forward_pass.is_real:
         routing = remote.layer_router(hidden_states)
     # Not made contiguous here: exchange's fast path checks that itself, and
     # its general path makes it so (one tensor method less on a cold cache).

@@ -166,7 +166,7 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
         self.bytes_sent = 0
         self.bytes_received = 0
         self.me = f"AFD {self.role} rank {rank}"
-        self._links: dict[int, Any] = {}  # peer -> transport link
+        self._streams: dict[int, Any] = {}  # peer -> transport link
         self._connected = False
         self._closed = False
         self._failure: str | None = None
@@ -195,7 +195,7 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
 
     @property
     def connected_peers(self) -> list[int]:
-        return sorted(p for p in self._links if p >= 0) if self._connected else []
+        return sorted(p for p in self._streams if p >= 0) if self._connected else []
 
     # --------------------------------------------------------------- lifecycle
     def connect(self) -> None:
@@ -210,7 +210,7 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
         except BaseException:
             self._clear_codec()
             self._close_transport()
-            self._links.clear()
+            self._streams.clear()
             raise
         self._connected = True
         logger.info("%s connected via %s at %s (peers: %s)", self.me, self.name, self.address,
@@ -279,7 +279,7 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
         """accept()'s rendezvous, after _listen(): handshake incoming peers on
         this connector until every expected attention rank is here."""
         expected = self.expected_peers()
-        missing = lambda: [p for p in expected if p not in self._links]  # noqa: E731
+        missing = lambda: [p for p in expected if p not in self._streams]  # noqa: E731
         on_wait = self._waiter(f"attention rank(s) {missing()} to connect", deadline,
                                connecting=True)
         while missing():
@@ -322,7 +322,7 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
             self._clear_codec()
             self._close_transport()
         finally:
-            # self._links stays: another thread blocked in this connector may
+            # self._streams stays: another thread blocked in this connector may
             # still look its link up, and must get a clean error, not a KeyError.
             self._connected = False
             logger.debug("%s closed (sent %d bytes, received %d bytes)", self.me,
@@ -358,7 +358,7 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
         if not self._connected:
             raise AFDConnectionError(f"{self.me}: not connected (call connect() first"
                                      f"{'; it was closed' if self._closed else ''})")
-        if peer is not None and peer not in self._links:
+        if peer is not None and peer not in self._streams:
             raise ValueError(f"{self.me}: {self.peer_name(peer)} is not connected "
                              f"(connected: {self.connected_peers})")
 
@@ -543,7 +543,7 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
     def _farewell(self, message: wire.Message) -> None:
         """Best-effort last message to every peer; errors are ignored."""
         header = wire.encode(message)
-        for peer in list(self._links):
+        for peer in list(self._streams):
             if peer < 0:
                 continue
             try:

@@ -45,7 +45,7 @@ class TransportHooks(ABC):
     # ------------------------------------------------------------- moving bytes
     @abstractmethod
     def _open(self, deadline: float) -> None:
-        """Rendezvous with the peer(s), run the handshake and fill self._links."""
+        """Rendezvous with the peer(s), run the handshake and fill self._streams."""
 
     # FFN side, per-peer sessions (AFDConnector.listen / accept_session). Not
     # abstract: a transport without them still serves through accept().

@@ -38,7 +38,7 @@ _listeners: dict[str, queue.Queue] = {}
 _listeners_changed = threading.Condition()
 
 
-class QueueLink:
+class QueueStream:
     """One side of an in-process connection."""
 
     def __init__(self, inbox: queue.Queue, outbox: queue.Queue, closed: list[bool],
@@ -49,7 +49,7 @@ class QueueLink:
         self.name = name
 
     @classmethod
-    def pair(cls, name_a: str, name_b: str) -> tuple["QueueLink", "QueueLink"]:
+    def pair(cls, name_a: str, name_b: str) -> tuple["QueueStream", "QueueStream"]:
         """Two connected ends; name_x is how end x refers to the other end."""
         a_to_b, b_to_a, closed = queue.Queue(), queue.Queue(), [False, False]
         return (cls(b_to_a, a_to_b, closed, 0, name_a), cls(a_to_b, b_to_a, closed, 1, name_b))
@@ -116,10 +116,10 @@ class LoopbackConnector(AFDConnector):
                     f"after {self.timeout_s:g}s; no FFN connector listens there")
                 _listeners_changed.wait(min(remaining, 0.5))
                 on_wait()
-            mine, theirs = QueueLink.pair(f"{self.peer_name(0)} at {self.address}",
+            mine, theirs = QueueStream.pair(f"{self.peer_name(0)} at {self.address}",
                                           f"attention rank {self.rank}")
             _listeners[self.key].put(theirs)
-        self._links[0] = mine
+        self._streams[0] = mine
 
     def _listen(self) -> None:
         with _listeners_changed:
@@ -129,7 +129,7 @@ class LoopbackConnector(AFDConnector):
             self._incoming = _listeners[self.key] = queue.Queue()
             _listeners_changed.notify_all()
 
-    def _next_link(self, timeout: float) -> "tuple[QueueLink, str] | None":
+    def _next_link(self, timeout: float) -> "tuple[QueueStream, str] | None":
         incoming = self._incoming
         if incoming is None:
             if self._closing.is_set():
@@ -165,14 +165,14 @@ class LoopbackConnector(AFDConnector):
         elif payload is not None:
             data = wire.tensor_bytes(payload).clone()
         event = self.ops.record() if data is not None else None
-        self._links[peer].send(header, None if data is None else (data, event))
+        self._streams[peer].send(header, None if data is None else (data, event))
         self.bytes_sent += len(header) + (0 if data is None else data.numel())
 
     def _receive(self, peer: int, deadline: float | None,
                  on_wait: WaitCallback) -> tuple[bytes, int]:
-        header, payload = self._links[peer].recv(deadline, on_wait)
+        header, payload = self._streams[peer].recv(deadline, on_wait)
         if not isinstance(header, (bytes, bytearray, memoryview)):
-            raise ProtocolError(f"loopback item from {self._links[peer].name} is "
+            raise ProtocolError(f"loopback item from {self._streams[peer].name} is "
                                 f"{type(header).__name__}, not encoded bytes")
         self._payloads[peer] = payload
         return header, 0 if payload is None else payload[0].numel()
@@ -198,6 +198,6 @@ class LoopbackConnector(AFDConnector):
 
     def _close_transport(self) -> None:
         self._stop_listening()
-        for link in list(self._links.values()):
+        for link in list(self._streams.values()):
             link.close()
         self._payloads.clear()

@@ -290,7 +290,7 @@ class ShmConnector(ShmFrames, StepCalls, SocketConnector):
         # wakes a sleeping receiver and reports a peer's death.
         ring = doorbell.RING_BYTES
         rings = (doorbell.Ring(writes.tensor[:ring]), doorbell.Ring(reads.tensor[:ring]))
-        self._links[peer] = doorbell.RingLink(self._links[peer], *rings, spin_us=self.spin_us,
+        self._streams[peer] = doorbell.RingStream(self._streams[peer], *rings, spin_us=self.spin_us,
                                               stream_copies=self.stream_copies)
 
     def _on_ack(self, ack_transport: bytes) -> None:
@@ -347,8 +347,8 @@ class ShmConnector(ShmFrames, StepCalls, SocketConnector):
 
     # ------------------------------------------------------------------ frames
     def spin_counters(self, peer: int = 0) -> tuple[int, int]:
-        link = self._links.get(peer)
-        if type(link) is not doorbell.RingLink:
+        link = self._streams.get(peer)
+        if type(link) is not doorbell.RingStream:
             return 0, 0
         counters = link.counters
         return counters["preempted_spins"], counters["spin_backoffs"]

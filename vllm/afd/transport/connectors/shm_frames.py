@@ -33,7 +33,7 @@ from vllm.afd.transport.connectors.step_calls import StepFrames
 
 
 class ShmFrames:
-    """See the module docstring. Needs, from ShmConnector: _links (RingLinks
+    """See the module docstring. Needs, from ShmConnector: _streams (RingStreams
     once connected), _tx/_rx (HostSlots), and the protocol state of
     attention_side.py and ffn_side.py."""
 
@@ -79,8 +79,8 @@ class ShmFrames:
         """The step's frames on the lane (step_calls.py): each payload in its
         micro-batch's slot; the FFN's exact hidden states taken there without
         a copy."""
-        link = self._links.get(peer)
-        addresses = self._addresses(peer) if type(link) is doorbell.RingLink else None
+        link = self._streams.get(peer)
+        addresses = self._addresses(peer) if type(link) is doorbell.RingStream else None
         if addresses is None:
             return None
         sends, recvs, routed_frames, ubatches = [], [], [], []

@@ -42,12 +42,12 @@ sleeps in the kernel, sparing a sleeping receiver's wake-up per message; an
 idle wait (no deadline: no step yet) sleeps at once, so an idle link costs no
 CPU.
 
-The socket is non-blocking for good (SocketLink): a frame that is there is
+The socket is non-blocking for good (SocketStream): a frame that is there is
 read with three recv calls and sent with one sendmsg, poll() only when one
 must wait. Python's socket timeouts would poll before each recv and send and
 set the descriptor's mode again at each settimeout.
 
-The socket link (SocketLink) is also the header channel of the shm and nccl
+The socket stream (SocketStream) is also the header channel of the shm and nccl
 connectors, which move payloads elsewhere and announce payload length 0.
 """
 
@@ -64,7 +64,7 @@ from vllm.afd.transport import auth, wire
 from vllm.afd.transport.buffers import HostSlots
 from vllm.afd.transport.connectors.base import (AFDConnectionError, AFDConnector,
                                                 WaitCallback, spin_us_setting)
-from vllm.afd.transport.connectors.socket_link import _HANGUP, SocketLink
+from vllm.afd.transport.connectors.socket_stream import _HANGUP, SocketStream
 from vllm.afd.transport.connectors.step_calls import StepCalls
 from vllm.afd.transport.connectors.tcp_frames import TcpFrames
 from vllm.afd.transport.wire import LayerFrame, ProtocolError
@@ -130,7 +130,7 @@ class SocketConnector(AFDConnector):
     def _open(self, deadline: float) -> None:
         if self.is_attention:
             sock = self._dial(deadline)
-            self._links[0] = SocketLink(sock, f"{self.peer_name(0)} at {self.address}",
+            self._streams[0] = SocketStream(sock, f"{self.peer_name(0)} at {self.address}",
                                         self.timeout_s, self._socket_spin_s)
             self._handshake_as_attention(deadline)
         else:
@@ -190,7 +190,7 @@ class SocketConnector(AFDConnector):
                     f"{self.me} cannot listen on {self.address}: {e.strerror or e}; is "
                     f"another FFN server using this port?") from None
 
-    def _next_link(self, timeout: float) -> "tuple[SocketLink, str] | None":
+    def _next_link(self, timeout: float) -> "tuple[SocketStream, str] | None":
         listener = self._listener  # close() from another thread may reset the attribute
         if listener is None:
             if self._closing.is_set():
@@ -215,7 +215,7 @@ class SocketConnector(AFDConnector):
                                          f"{e.strerror or e}") from None
             configure_socket(sock)
             source = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "local peer"
-            return (SocketLink(sock, f"connection from {source}", self.timeout_s,
+            return (SocketStream(sock, f"connection from {source}", self.timeout_s,
                                self._socket_spin_s), source)
         return None
 
@@ -257,8 +257,8 @@ class SocketConnector(AFDConnector):
         with unread bytes (a GOODBYE) still queued: lets an idle side notice a
         peer that went away between steps without reading the stream."""
         poller = select.poll()
-        for link in list(self._links.values()):
-            if isinstance(link, SocketLink):
+        for link in list(self._streams.values()):
+            if isinstance(link, SocketStream):
                 try:
                     poller.register(link.sock.fileno(), _HANGUP)
                 except ValueError:  # closed meanwhile
@@ -280,7 +280,7 @@ class SocketConnector(AFDConnector):
             buffer = [wire.tensor_to_buffer(p) for p in parts]
         elif parts:
             buffer = wire.tensor_to_buffer(parts[0])
-        self.bytes_sent += self._links[peer].send(header, buffer, deadline)
+        self.bytes_sent += self._streams[peer].send(header, buffer, deadline)
 
     def _staging(self, table: dict[int, HostSlots], peer: int) -> HostSlots:
         slots = table.get(peer)
@@ -293,7 +293,7 @@ class SocketConnector(AFDConnector):
 
     def _receive(self, peer: int, deadline: float | None,
                  on_wait: WaitCallback) -> tuple[memoryview, int]:
-        link = self._links[peer]
+        link = self._streams[peer]
         header, announced = link.recv_message(deadline, on_wait)
         self.bytes_received += link.frame_overhead
         return header, announced
@@ -311,7 +311,7 @@ class SocketConnector(AFDConnector):
             u = frame.ubatch_id
             staging.release(u)  # its last copy to the device has read it
             if frame.nbytes:
-                self._links[peer].recv_into(
+                self._streams[peer].recv_into(
                     wire.tensor_to_buffer(staging.slot(u)[:frame.nbytes]), deadline)
             self.bytes_received += frame.nbytes
             return staging.read(u, dtype, frame.shape, out)
@@ -320,7 +320,7 @@ class SocketConnector(AFDConnector):
         if out is None:
             key = (peer, frame.ubatch_id)
             out = self._typed_view(key, self._rx_buffer(key, frame.nbytes), dtype, frame.shape)
-        self._links[peer].recv_into(wire.tensor_to_buffer(out), deadline)
+        self._streams[peer].recv_into(wire.tensor_to_buffer(out), deadline)
         self.bytes_received += frame.nbytes
         return out
 
@@ -335,7 +335,7 @@ class SocketConnector(AFDConnector):
         return buffer
 
     def _close_transport(self) -> None:
-        for link in list(self._links.values()):
+        for link in list(self._streams.values()):
             link.close()
         listener, self._listener = self._listener, None
         if listener is not None:

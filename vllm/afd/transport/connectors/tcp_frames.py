@@ -4,7 +4,7 @@
 (step_calls.py, csrc/cpu/step_calls.cpp): what shm_frames.py is for the lane.
 
 Per micro-batch and direction a frame's bytes up to its payload are the
-connector's prefix (magic, header length, payload length: socket_link.PREFIX)
+connector's prefix (magic, header length, payload length: socket_stream.PREFIX)
 and prepared.frame_template's LayerFrame template; the C call sends prefix,
 header and payload in one sendmsg, and on receipt peeks the expected bytes,
 compares them, consumes them and receives the payload straight into the
@@ -37,7 +37,7 @@ from vllm.afd.transport.connectors.step_calls import StepFrames
 
 def socket_frame_template(dtype: torch.dtype, rows: int, hidden: int, scale_group: int,
                           prefix, topk: int = 0) -> "tuple[bytes, int, int, int, int] | None":
-    """frame_template's, with the connector's prefix (socket_link.PREFIX:
+    """frame_template's, with the connector's prefix (socket_stream.PREFIX:
     magic, header length, payload length) in front and the offsets moved past it."""
     template = frame_template(dtype, rows, hidden, scale_group, topk)
     if template is None:
@@ -51,7 +51,7 @@ def socket_frame_template(dtype: torch.dtype, rows: int, hidden: int, scale_grou
 
 
 class TcpFrames:
-    """See the module docstring. Needs, from SocketConnector: _links (SocketLinks
+    """See the module docstring. Needs, from SocketConnector: _streams (SocketLinks
     once connected: their socket, spin and frame prefix), _rx_buffer,
     _typed_view, _staging."""
 
@@ -68,7 +68,7 @@ class TcpFrames:
 
     def _step_frames(self, peer: int, step: wire.StepHeader) -> "StepFrames | None":
         """The step's frames on the socket (see the module docstring)."""
-        link = self._links.get(peer)
+        link = self._streams.get(peer)
         if getattr(link, "sock", None) is None:
             return None
         sends, recvs, routed_frames, ubatches = [], [], [], []

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""Batch plans: how the workers of a tensor/expert-parallel FFN server agree on
+"""Batch orders: how the workers of a tensor/expert-parallel FFN server agree on
 the mlp calls they make. Data plane.
 
 Every worker of such a server gets every token of every attention peer, and
@@ -8,20 +8,20 @@ vLLM's collectives inside the mlp (TP all-reduce, EP all-to-all) combine the
 workers' parts, so all of them must make the same mlp calls (same layer, same
 rows) in the same order. With several peers, each worker's own batching would
 differ (the peers' frames arrive in a different interleaving on each), so the
-group's lead decides: its LayerBatcher sends each batch it forms as a plan,
-before running it, and the followers' batchers run exactly those plans.
+group's lead decides: its LayerBatcher sends each batch it forms as an order,
+before running it, and the followers' batchers run exactly those orders.
 
 Messages, in the order the lead sends them (plain lists, cheap to pickle):
-  ["plan", [[layer, [[peer, num_tokens], ...]], ...]]  one batch: its mlp calls
+  ["batch", [[layer, [[peer, num_tokens], ...]], ...]]  one batch: its mlp calls
                                                         in execution order, each
                                                         naming the peers' rows
   ["gone", peer]     the lead's session of `peer` ended: a follower drops that
                      peer's call still waiting (it arrived before this message,
-                     so no plan will ever name it)
+                     so no order will ever name it)
   ["idle"]           keepalive, so an idle follower's receive does not time out
   ["stop"]           the lead's batcher closed: the followers' receivers end
 
-A PlanChannel carries them from the lead to every follower: send() on the lead
+An OrderChannel carries them from the lead to every follower: send() on the lead
 (thread-safe, the batcher serializes it), recv() on a follower (blocking; one
 receiving thread). QueueChannel does it in one process (tests, the harness);
 TorchDistChannel over a torch.distributed group (the vLLM worker adapter
@@ -38,12 +38,12 @@ logger = logging.getLogger(__name__)
 Message = list  # see the module docstring
 
 
-class PlanError(RuntimeError):
-    """A follower cannot follow the lead's plan: the workers' mlp calls would no
+class OrderError(RuntimeError):
+    """A follower cannot follow the lead's order: the workers' mlp calls would no
     longer match (reported to the attention peers in the batch)."""
 
 
-class PlanChannel(Protocol):
+class OrderChannel(Protocol):
     def send(self, message: Message) -> None:
         """Lead: to every follower (thread-safe)."""
 
@@ -71,7 +71,7 @@ class FollowerEnd:
         self.q = q
 
     def send(self, message: Message) -> None:
-        raise RuntimeError("AFD FFN plans: a follower does not send plans")
+        raise RuntimeError("AFD FFN orders: a follower does not send orders")
 
     def recv(self) -> Message:
         return self.q.get()
@@ -80,7 +80,7 @@ class FollowerEnd:
 class TorchDistChannel:
     """Over a torch.distributed process group whose rank 0 is the lead: each
     message is one broadcast_object_list from it. The group must be used for
-    nothing else (a collective of the mlp interleaved with a plan's broadcast
+    nothing else (a collective of the mlp interleaved with an order's broadcast
     would pair wrong messages)."""
 
     def __init__(self, group: Any, lead_rank: int) -> None:

@@ -2,8 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """The workers of a tensor/expert-parallel FFN server serving several
 attention peers make the same mlp calls in the same order: the lead's
-LayerBatcher decides and sends plans, the followers' run exactly those
-(vllm/afd/ffn/plan.py). Data plane only, in one process: the real servers are
+LayerBatcher decides and sends orders, the followers' run exactly those
+(vllm/afd/ffn/orders.py). Data plane only, in one process: the real servers are
 in test_topology.py (test_one_attention_two_ffn_ranks, tp)."""
 
 import random
@@ -16,7 +16,7 @@ import torch
 from servers import free_port
 
 from vllm.afd.ffn.batcher import LayerBatcher
-from vllm.afd.ffn.plan import PlanError, QueueChannel
+from vllm.afd.ffn.orders import OrderError, QueueChannel
 
 HIDDEN = 4
 
@@ -55,9 +55,9 @@ def _pair(max_tokens=8, timeout_s=10.0, window_s=0.003):
     channel = QueueChannel()
     lead_mlp, follower_mlp = _Recorder(), _Recorder()
     lead = LayerBatcher(lead_mlp, max_tokens=max_tokens, window_s=window_s, role="lead",
-                        plans=channel, timeout_s=timeout_s)
+                        orders=channel, timeout_s=timeout_s)
     follower = LayerBatcher(follower_mlp, max_tokens=max_tokens, role="follower",
-                            plans=channel.end(), timeout_s=timeout_s)
+                            orders=channel.end(), timeout_s=timeout_s)
     return lead, follower, lead_mlp, follower_mlp
 
 
@@ -121,24 +121,24 @@ def test_follower_makes_the_leads_mlp_calls_in_its_order():
 def test_a_call_unlike_the_plan_is_an_error_naming_both():
     channel = QueueChannel()
     follower = LayerBatcher(lambda layer, x: x, max_tokens=8, role="follower",
-                            plans=channel.end(), timeout_s=5)
-    channel.send(["plan", [[1, [[0, 3]]]]])
-    with pytest.raises(PlanError, match=r"the lead planned layer 1 with 3 token\(s\) of "
+                            orders=channel.end(), timeout_s=5)
+    channel.send(["batch", [[1, [[0, 3]]]]])
+    with pytest.raises(OrderError, match=r"the lead ordered layer 1 with 3 token\(s\) of "
                                         r"attention rank 0, but this worker has layer 1 "
                                         r"with 4 token\(s\)"):
         follower.compute(1, torch.zeros(4, HIDDEN), 0)
     # Its mlp calls no longer pair with the lead's: it serves nobody any more.
-    with pytest.raises(PlanError, match="the lead planned layer 1"):
+    with pytest.raises(OrderError, match="the lead ordered layer 1"):
         follower.compute(2, torch.zeros(1, HIDDEN), 1)
 
 
 def test_a_planned_call_that_never_comes_fails_the_batch_in_time():
     channel = QueueChannel()
     follower = LayerBatcher(lambda layer, x: x, max_tokens=8, role="follower",
-                            plans=channel.end(), timeout_s=0.3)
-    channel.send(["plan", [[0, [[0, 2], [1, 2]]]]])
+                            orders=channel.end(), timeout_s=0.3)
+    channel.send(["batch", [[0, [[0, 2], [1, 2]]]]])
     t0 = time.monotonic()
-    with pytest.raises(PlanError, match=r"the lead planned layer 0 with attention rank\(s\) "
+    with pytest.raises(OrderError, match=r"the lead ordered layer 0 with attention rank\(s\) "
                                         r"\[0, 1\], but the call\(s\) of \[1\] did not arrive "
                                         r"within 0.3s"):
         follower.compute(0, torch.zeros(2, HIDDEN), 0)
@@ -148,8 +148,8 @@ def test_a_planned_call_that_never_comes_fails_the_batch_in_time():
 def test_an_unplanned_call_times_out_alone_and_gone_drops_a_call():
     channel = QueueChannel()
     follower = LayerBatcher(lambda layer, x: x + 1, max_tokens=8, role="follower",
-                            plans=channel.end(), timeout_s=0.3)
-    with pytest.raises(PlanError, match="planned no call for layer 2 of attention rank 0 "
+                            orders=channel.end(), timeout_s=0.3)
+    with pytest.raises(OrderError, match="ordered no call for layer 2 of attention rank 0 "
                                         "within 0.3s"):
         follower.compute(2, torch.zeros(1, HIDDEN), 0)
     assert follower.broken is None  # nothing ran: the workers still agree
@@ -159,7 +159,7 @@ def test_an_unplanned_call_times_out_alone_and_gone_drops_a_call():
     def call():
         try:
             follower.compute(0, torch.zeros(1, HIDDEN), 3)
-        except PlanError as e:
+        except OrderError as e:
             result["error"] = str(e)
 
     t = threading.Thread(target=call)
@@ -168,8 +168,8 @@ def test_an_unplanned_call_times_out_alone_and_gone_drops_a_call():
     channel.send(["gone", 3])  # the lead's session of rank 3 ended
     t.join(5)
     assert "session of attention rank 3 ended before its layer 0 call" in result["error"]
-    # A later call of rank 3 (its next session) waits for its plan.
-    channel.send(["plan", [[0, [[3, 1]]]]])
+    # A later call of rank 3 (its next session) waits for its order.
+    channel.send(["batch", [[0, [[3, 1]]]]])
     assert torch.equal(follower.compute(0, torch.zeros(1, HIDDEN), 3), torch.ones(1, HIDDEN))
 
 
@@ -196,7 +196,7 @@ def test_two_ffn_workers_serve_two_attention_ranks_alike(connector):
     loops = [FFNLoop(LinkConfig(role="ffn", **cfg), layers=[0, 1, 2], compute=mlps[rank],
                      hidden_size=HIDDEN, dtype=torch.float32, max_tokens=16,
                      placement=FFNPlacement(rank=rank, group=[0, 1]), warmup_sizes=[],
-                     plans=channel if rank == 0 else channel.end())
+                     orders=channel if rank == 0 else channel.end())
              for rank in (0, 1)]
     conns = []
     try:
@@ -251,7 +251,7 @@ def test_two_ffn_workers_serve_two_attention_ranks_alike(connector):
             time.sleep(0.01)
         assert mlps[0].calls and mlps[1].calls == mlps[0].calls
         assert sorted(loops[0].serving) == sorted(loops[1].serving) == [0, 1]
-        assert loops[1].status()["plan_error"] is None
+        assert loops[1].status()["order_error"] is None
     finally:
         for conn in conns:
             conn.close()

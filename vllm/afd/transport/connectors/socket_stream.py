@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""SocketLink: a framed message stream over one connected stream socket.
+"""SocketStream: a framed message stream over one connected stream socket.
 
 tcp's transport, and the header channel of the shm and nccl connectors (which
 move payloads elsewhere and announce payload length 0). Its own module so that
@@ -23,7 +23,7 @@ MAX_HEADER_BYTES = 64 * 1024  # a Hello with a large fingerprint fits easily
 _HANGUP = getattr(select, "POLLRDHUP", 0x2000) | select.POLLHUP | select.POLLERR
 
 
-class SocketLink:
+class SocketStream:
     """A framed message stream over one connected stream socket. Raises
     LinkClosed / LinkTimeout / ProtocolError; knows nothing about steps."""
 
