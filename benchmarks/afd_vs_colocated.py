@@ -349,7 +349,7 @@ def spin_counts(runs: list[dict]) -> dict:
     """Each side's spin preemptions and backoffs in the median run's N-token
     generate (its prefill included: counts, unlike times, do not subtract, and a
     prefill-only run with more of them than the N-token run gave -1): after a
-    backoff a side's waits sleep for 0.1-1 s (doorbell.py), and link/layer jumps
+    backoff a side's waits sleep for 0.1-1 s (shm_ring.py), and link/layer jumps
     by the wake-ups; nonzero explains a slow run."""
     raw = median_run(runs)["raw"]
     return {side: {"preemptions": raw[f"{side}_n"].get("spin_preemptions", 0),

@@ -122,12 +122,12 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture
 def patient_waits(monkeypatch):
     """Prepared layer calls (step_calls.py) that wait 5 s, not
-    doorbell.FAST_WAIT_MS, before the general path takes over: for tests that
+    shm_ring.FAST_WAIT_MS, before the general path takes over: for tests that
     count them, which a busy host (the suite's other worker) can delay past
     the usual bound (a correct fallback, but one call fewer counted)."""
-    from vllm.afd.transport import doorbell
+    from vllm.afd.transport import shm_ring
 
-    monkeypatch.setattr(doorbell, "FAST_WAIT_MS", 5000)
+    monkeypatch.setattr(shm_ring, "FAST_WAIT_MS", 5000)
 
 
 @pytest.fixture(scope="session")

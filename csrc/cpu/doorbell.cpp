@@ -2,7 +2,7 @@
 // SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 //
 // The shm connector's doorbell: how one process tells another, on the same
-// host, that a message is in shared memory (vllm/afd/transport/doorbell.py).
+// host, that a message is in shared memory (vllm/afd/transport/shm_ring.py).
 //
 // A sender publishes a 32-bit sequence word with a release store; a receiver
 // spins on it (acquire loads) for a bounded time, then sleeps in poll() on

@@ -2,7 +2,7 @@
 // SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 //
 // The shm connector's message lane: both rings of one connection (the one
-// this side sends on, the one it receives from; vllm/afd/transport/doorbell.py
+// this side sends on, the one it receives from; vllm/afd/transport/shm_ring.py
 // has their layout): posting and taking messages, waiting, and the counters
 // the Python path and the prepared calls (step_calls.cpp) share.
 //

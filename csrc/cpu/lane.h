@@ -21,11 +21,11 @@ extern "C" int afd_doorbell_ring(uint32_t* word, const uint32_t* sleeping, uint3
 
 namespace afd_lane {
 
-// Ring layout (doorbell.py): head, sleeping, tail, the receiver's feedback on
+// Ring layout (shm_ring.py): head, sleeping, tail, the receiver's feedback on
 // payload reads (slot_copy.h), then the entries.
 constexpr int64_t kHead = 0, kSleeping = 64, kTail = 128, kFeedback = 192, kEntries = 256;
 constexpr int kLengthBytes = 4;
-// Preempted spins (doorbell.py, "Preempted spins"): kBackoffPreemptions of the
+// Preempted spins (shm_ring.py, "Preempted spins"): kBackoffPreemptions of the
 // last kSpinHistory spins stop spinning for a backoff: kMinBackoffNs, doubled
 // for each backoff that follows the last one's end within kMaxBackoffNs, up to
 // kMaxBackoffNs. A host's own threads take a spinning core now and then (a few

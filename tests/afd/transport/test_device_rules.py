@@ -317,7 +317,7 @@ def test_shm_slots_start_on_pages_of_their_own():
     the alignment's effect there is not measured yet.)"""
     import mmap
 
-    from vllm.afd.transport import doorbell
+    from vllm.afd.transport import shm_ring
 
     attn, ffn = connect_pair("shm")
     try:
@@ -326,7 +326,7 @@ def test_shm_slots_start_on_pages_of_their_own():
             for slots, segment in ((side._tx[0], writes), (side._rx[0], reads)):
                 start = slots.slot(0).data_ptr()
                 assert start % mmap.PAGESIZE == 0, (start % mmap.PAGESIZE)
-                assert start - segment.tensor.data_ptr() >= doorbell.RING_BYTES
+                assert start - segment.tensor.data_ptr() >= shm_ring.RING_BYTES
     finally:
         attn.close()
         ffn.close()

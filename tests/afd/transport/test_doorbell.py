@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
-"""The shm connector's message ring and doorbell (vllm/afd/transport/doorbell.py,
+"""The shm connector's message ring and doorbell (vllm/afd/transport/shm_ring.py,
 csrc/cpu/doorbell.cpp): every rule it relies on, each with a case that fails
 without it. Real connectors, two threads of one process; the latency itself
 is measured by `make bench-link`, not here."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vllm.afd.adapter.config import AFDConfig
-from vllm.afd.transport import doorbell
+from vllm.afd.transport import shm_ring
 from vllm.afd.transport.connectors import AFDConnectionError, create_connector
 from vllm.afd.transport.wire import StepHeader
 from helpers.connectors import HIDDEN, Background, free_port
@@ -50,7 +50,7 @@ def test_sleeping_receivers_are_always_woken(spin_us):
         attn.close()
         assert server.join_result() == 200
         ffn.close()
-    chunk_s = doorbell.WAIT_CHUNK_MS / 1000
+    chunk_s = shm_ring.WAIT_CHUNK_MS / 1000
     assert len(step_seconds) == 200
     slow = [round(t, 3) for t in step_seconds if t >= 0.9 * chunk_s]
     assert not slow, f"steps that waited out a wait chunk (a lost wake-up): {slow}"
@@ -132,9 +132,9 @@ def test_spin_us_must_be_microseconds(bad, connector):
 def test_oversized_messages_are_refused_before_they_touch_the_ring():
     ffn, attn = pair()
     link = attn._streams[0]
-    assert isinstance(link, doorbell.RingStream)
+    assert isinstance(link, shm_ring.RingStream)
     from vllm.afd.transport.wire import ProtocolError
     with pytest.raises(ProtocolError, match="the shm ring holds at most"):
-        link.send(b"x" * doorbell.ENTRY_BYTES, None, time.monotonic() + 1)
+        link.send(b"x" * shm_ring.ENTRY_BYTES, None, time.monotonic() + 1)
     attn.close()
     ffn.close()

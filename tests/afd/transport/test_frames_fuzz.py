@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 
-from vllm.afd.transport import doorbell, wire
+from vllm.afd.transport import shm_ring, wire
 from vllm.afd.transport.connectors import AFDConnectionError, ProtocolError
 from vllm.afd.transport.connectors import tcp
 from vllm.afd.transport.connectors.socket_stream import (MAGIC, MAX_HEADER_BYTES, PREFIX,
@@ -420,16 +420,16 @@ def header_mutations(message: wire.Message, rng: random.Random, count: int) -> l
 
 
 class RawRing:
-    """A raw peer's end of one direction's shm message ring (doorbell.py): it
+    """A raw peer's end of one direction's shm message ring (shm_ring.py): it
     writes whatever bytes it is given as the next message, publishes the new
     head (x86 stores are ordered) and always sends a wake byte."""
 
     def __init__(self, segment: torch.Tensor, sock: socket.socket) -> None:
-        self.view = memoryview(segment[:doorbell.RING_BYTES].numpy())
+        self.view = memoryview(segment[:shm_ring.RING_BYTES].numpy())
         self.sock, self.seq = sock, 0
 
     def send(self, header: bytes, length: int | None = None) -> None:
-        offset = 256 + (self.seq % doorbell.RING_ENTRIES) * doorbell.ENTRY_BYTES
+        offset = 256 + (self.seq % shm_ring.RING_ENTRIES) * shm_ring.ENTRY_BYTES
         struct.pack_into("<I", self.view, offset, len(header) if length is None else length)
         self.view[offset + 4:offset + 4 + len(header)] = header
         self.seq += 1
@@ -454,7 +454,7 @@ def _connected_ffn(kind: str, port: int):
     if kind != "shm":
         return ffn, sock, sock.sendall
     shared = msgspec.msgpack.decode(ack.transport, type=ShmHandshake)
-    to_ffn = ShmSegment(shared.segments[0], doorbell.RING_BYTES, create=False)
+    to_ffn = ShmSegment(shared.segments[0], shm_ring.RING_BYTES, create=False)
     raw = RawRing(to_ffn.tensor, sock)
     raw.segment = to_ffn  # kept mapped while the test writes
     return ffn, sock, raw.send
@@ -514,7 +514,7 @@ def test_a_ring_entry_longer_than_its_slot_is_refused():
     entry is a ProtocolError, not a read beyond it."""
     ffn, sock, send = _connected_ffn("shm", free_port())
     try:
-        send.__self__.send(b"x", length=doorbell.ENTRY_BYTES)
+        send.__self__.send(b"x", length=shm_ring.ENTRY_BYTES)
         with pytest.raises(ProtocolError, match=r"shm ring entry from .*: length 20480, "
                            r"at most 20476"):
             ffn.recv_step(0)
@@ -546,8 +546,8 @@ def test_mutated_replies_into_a_connected_attention_side(kind):
                     ack = wire.HelloAck(accepted=True, rank=0, group=[0], transport=(
                         msgspec.msgpack.encode(ShmHandshake(
                             segments=[f"vllm-afd-{port}-0-a2f-0000", f"vllm-afd-{port}-0-f2a-0000"],
-                            slot_bytes=attn.max_bytes, ring_entries=doorbell.RING_ENTRIES,
-                            ring_entry_bytes=doorbell.ENTRY_BYTES))))
+                            slot_bytes=attn.max_bytes, ring_entries=shm_ring.RING_ENTRIES,
+                            ring_entry_bytes=shm_ring.ENTRY_BYTES))))
                 replies = mutations(ack, rng, 1)
             connecting = Background(attn.connect)
             sock, _ = fake._listener.accept()
@@ -574,8 +574,8 @@ def test_mutated_replies_into_a_connected_attention_side(kind):
                         ack = wire.HelloAck(accepted=True, rank=0, group=[0], transport=(
                             msgspec.msgpack.encode(ShmHandshake(
                                 segments=[data[1].name, data[0].name],
-                                slot_bytes=fake.slot_bytes, ring_entries=doorbell.RING_ENTRIES,
-                                ring_entry_bytes=doorbell.ENTRY_BYTES))))
+                                slot_bytes=fake.slot_bytes, ring_entries=shm_ring.RING_ENTRIES,
+                                ring_entry_bytes=shm_ring.ENTRY_BYTES))))
                     else:
                         ack = wire.HelloAck(accepted=True, rank=0, group=[0])
                     sock.sendall(raw_frame(ack))

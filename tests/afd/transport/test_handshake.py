@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 import preload
 from transformers import AutoConfig
 
-from vllm.afd.transport import auth, doorbell, wire
+from vllm.afd.transport import auth, shm_ring, wire
 from vllm.afd.adapter.model import fingerprint
 from vllm.afd.adapter.config import AFDConfig
 from vllm.afd.transport.connectors import (AFDConnectionError, ProtocolError, create_connector)
@@ -517,7 +517,7 @@ def test_load_secret(tmp_path, monkeypatch):
                            msgspec.structs.replace(hello, max_tokens=1))}) == 6
 
 
-RING = dict(ring_entries=doorbell.RING_ENTRIES, ring_entry_bytes=doorbell.ENTRY_BYTES)
+RING = dict(ring_entries=shm_ring.RING_ENTRIES, ring_entry_bytes=shm_ring.ENTRY_BYTES)
 
 
 def test_ack_contents_from_the_ffn_are_checked():
@@ -543,15 +543,15 @@ def test_ack_contents_from_the_ffn_are_checked():
         shm._on_ack(msgspec.msgpack.encode(ShmHandshake(
             segments=["vllm-afd-7700-0-a2f-1a2b", "vllm-afd-7700-0-f2a-1a2b"], slot_bytes=8,
             **RING)))
-    # Both ends must lay out the message ring alike (doorbell.py).
+    # Both ends must lay out the message ring alike (shm_ring.py).
     with pytest.raises(ProtocolError, match=r"message ring: expected 16 entries of 20480 "
                        r"bytes, received 4 of 20480"):
         shm._on_ack(msgspec.msgpack.encode(ShmHandshake(
             segments=["vllm-afd-7700-0-a2f-1a2b", "vllm-afd-7700-0-f2a-1a2b"], slot_bytes=slot,
             **dict(RING, ring_entries=4))))
     # ... and start the slots where the other does (a page of their own).
-    with pytest.raises(ProtocolError, match=rf"slots_offset: expected {doorbell.SLOTS_OFFSET} "
-                       rf"\(the ring, then whole pages\), received {doorbell.RING_BYTES}"):
+    with pytest.raises(ProtocolError, match=rf"slots_offset: expected {shm_ring.SLOTS_OFFSET} "
+                       rf"\(the ring, then whole pages\), received {shm_ring.RING_BYTES}"):
         shm._on_ack(msgspec.msgpack.encode(ShmHandshake(
             segments=["vllm-afd-7700-0-a2f-1a2b", "vllm-afd-7700-0-f2a-1a2b"], slot_bytes=slot,
-            slots_offset=doorbell.RING_BYTES, **RING)))
+            slots_offset=shm_ring.RING_BYTES, **RING)))

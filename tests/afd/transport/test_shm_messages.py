@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from vllm.afd.transport import doorbell, wire
+from vllm.afd.transport import shm_ring, wire
 from vllm.afd.transport.connectors import AFDConnectionError
 from vllm.afd.transport.connectors.prepared import frame_template
 from vllm.afd.transport.wire import ProtocolError, StepHeader
@@ -61,7 +61,7 @@ def test_layer_calls_take_the_c_calls_and_count_what_the_general_path_counts(
     # Counting, not timing: a receive waits FAST_WAIT_MS before the general path
     # takes over, which a loaded 2-core host running the suite sometimes exceeds
     # (47 of 48 once); the handover itself has its own test below.
-    monkeypatch.setattr(doorbell, "FAST_WAIT_MS", 10_000)
+    monkeypatch.setattr(shm_ring, "FAST_WAIT_MS", 10_000)
     ffn, attn = pair(ffn_ubatches=2, attention_ubatches=2, spin_us=spin_us)
     server = Background(echo, ffn, 3)
     g = torch.Generator().manual_seed(0)
@@ -147,13 +147,13 @@ def test_spinning_stops_only_when_spins_are_preempted_often():
     runnable threads than cores) stop it, for SPIN_BACKOFF_MIN_S after a quiet
     while (a burst), doubling while backoffs follow each other, up to
     SPIN_BACKOFF_S (oversubscribed)."""
-    C = doorbell.lane_module()
-    ring = torch.zeros(doorbell.RING_BYTES, dtype=torch.uint8)
-    lane = C.lane_new(ring.data_ptr(), ring.data_ptr(), -1, doorbell.RING_ENTRIES,
-                      doorbell.ENTRY_BYTES)
+    C = shm_ring.lane_module()
+    ring = torch.zeros(shm_ring.RING_BYTES, dtype=torch.uint8)
+    lane = C.lane_new(ring.data_ptr(), ring.data_ptr(), -1, shm_ring.RING_ENTRIES,
+                      shm_ring.ENTRY_BYTES)
     s = 1_000_000_000
     t = 10 * s
-    assert (doorbell.BACKOFF_PREEMPTIONS, doorbell.SPIN_HISTORY) == (3, 8)
+    assert (shm_ring.BACKOFF_PREEMPTIONS, shm_ring.SPIN_HISTORY) == (3, 8)
     for _ in range(20):  # one spin in four preempted, ten a second: keeps spinning
         for preempted in (True, False, False, False):
             t += s // 10
@@ -177,18 +177,18 @@ def test_spinning_stops_only_when_spins_are_preempted_often():
         assert C.lane_note_spin(lane, t + k * s // 100, False)
     start = burst(t + s)
     assert C.lane_counters(lane)[3] == 1
-    assert backoff_s(start) == pytest.approx(doorbell.SPIN_BACKOFF_MIN_S, abs=0.002)
+    assert backoff_s(start) == pytest.approx(shm_ring.SPIN_BACKOFF_MIN_S, abs=0.002)
     # Oversubscribed: a burst each time spinning resumes doubles the backoff, up to the most.
     lengths = []
     for _ in range(6):
         start = burst(start + int(backoff_s(start) * s) + 1)
         lengths.append(backoff_s(start))
-    expected = [min(doorbell.SPIN_BACKOFF_MIN_S * 2 ** k, doorbell.SPIN_BACKOFF_S)
+    expected = [min(shm_ring.SPIN_BACKOFF_MIN_S * 2 ** k, shm_ring.SPIN_BACKOFF_S)
                 for k in range(1, 7)]
     assert lengths == pytest.approx(expected, abs=0.002)
     # Quiet for longer than the longest backoff: the next burst is a short one again.
     start = burst(start + 3 * s)
-    assert backoff_s(start) == pytest.approx(doorbell.SPIN_BACKOFF_MIN_S, abs=0.002)
+    assert backoff_s(start) == pytest.approx(shm_ring.SPIN_BACKOFF_MIN_S, abs=0.002)
     assert C.lane_counters(lane)[2:] == (20 + 8 * 3, 8)
 
 
@@ -219,7 +219,7 @@ def test_an_answer_later_than_the_fast_wait_arrives_through_the_general_path():
         t0 = time.monotonic()
         with pytest.raises(AFDConnectionError, match="timed out after 2s"):
             attn.recv_call(1, 0, out)
-        assert 2 <= time.monotonic() - t0 < 2 + doorbell.FAST_WAIT_MS / 1000 + 0.5
+        assert 2 <= time.monotonic() - t0 < 2 + shm_ring.FAST_WAIT_MS / 1000 + 0.5
     finally:
         attn.close()
         ffn.close()
@@ -230,13 +230,13 @@ def test_an_answer_later_than_the_fast_wait_arrives_through_the_general_path():
 _SPINNER = r"""
 import json, os, sys
 import torch
-from vllm.afd.transport import doorbell
+from vllm.afd.transport import shm_ring
 core, fd, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 os.sched_setaffinity(0, {core})
-C = doorbell.lane_module()
-ring = torch.from_file(path, shared=True, size=doorbell.RING_BYTES, dtype=torch.uint8)
-lane = C.lane_new(ring.data_ptr(), ring.data_ptr(), fd, doorbell.RING_ENTRIES,
-                  doorbell.ENTRY_BYTES)
+C = shm_ring.lane_module()
+ring = torch.from_file(path, shared=True, size=shm_ring.RING_BYTES, dtype=torch.uint8)
+lane = C.lane_new(ring.data_ptr(), ring.data_ptr(), fd, shm_ring.RING_ENTRIES,
+                  shm_ring.ENTRY_BYTES)
 header = torch.empty(64, dtype=torch.uint8)
 print("ready", flush=True)
 for _ in sys.stdin:
@@ -255,8 +255,8 @@ class _Spinner:
         import subprocess
         import sys
 
-        path.write_bytes(bytes(doorbell.RING_BYTES))
-        self.ring = torch.from_file(str(path), shared=True, size=doorbell.RING_BYTES,
+        path.write_bytes(bytes(shm_ring.RING_BYTES))
+        self.ring = torch.from_file(str(path), shared=True, size=shm_ring.RING_BYTES,
                                     dtype=torch.uint8)
         mine, theirs = socket.socketpair()
         self.sock = mine
@@ -265,9 +265,9 @@ class _Spinner:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             pass_fds=[theirs.fileno()])
         theirs.close()
-        self.C = doorbell.lane_module()
+        self.C = shm_ring.lane_module()
         self.lane = self.C.lane_new(self.ring.data_ptr(), self.ring.data_ptr(), mine.fileno(),
-                                    doorbell.RING_ENTRIES, doorbell.ENTRY_BYTES)
+                                    shm_ring.RING_ENTRIES, shm_ring.ENTRY_BYTES)
         assert self.proc.stdout.readline().strip() == "ready"
 
     def wait(self, meanwhile) -> tuple[int, int]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vllm.afd.adapter.config import AFDConfig
-from vllm.afd.transport import doorbell
+from vllm.afd.transport import shm_ring
 from vllm.afd.transport.connectors import create_connector
 from vllm.afd.transport.connectors.prepared import frame_template
 from vllm.afd.transport.wire import StepHeader
@@ -93,12 +93,12 @@ def test_the_copier_uses_the_cheaper_way_and_follows_a_change():
     for the other (the copy of that payload is known from the lane's byte
     counts). The lane settles on the cheap way, trying the other now and then,
     and moves over when the costs swap."""
-    C = doorbell.lane_module()
-    tx_region = torch.zeros(doorbell.RING_BYTES, dtype=torch.uint8)
-    rx_region = torch.zeros(doorbell.RING_BYTES, dtype=torch.uint8)
+    C = shm_ring.lane_module()
+    tx_region = torch.zeros(shm_ring.RING_BYTES, dtype=torch.uint8)
+    rx_region = torch.zeros(shm_ring.RING_BYTES, dtype=torch.uint8)
     a, b = socket.socketpair()
     lane = C.lane_new(tx_region.data_ptr(), rx_region.data_ptr(), a.fileno(),
-                      doorbell.RING_ENTRIES, doorbell.ENTRY_BYTES, doorbell.COPY_POLICIES["auto"])
+                      shm_ring.RING_ENTRIES, shm_ring.ENTRY_BYTES, shm_ring.COPY_POLICIES["auto"])
     rows = 16  # 64000 bytes
     encoded, step_at, layer_at, ubatch_at, nbytes = frame_template(torch.float32, rows, HIDDEN)
     src = torch.randn(rows, HIDDEN)
@@ -144,7 +144,7 @@ def test_the_copier_uses_the_cheaper_way_and_follows_a_change():
 def test_payloads_under_the_minimum_are_copied_through_the_caches():
     """A few cache lines are not worth measuring: under kMinAdaptiveBytes an
     "auto" lane never streams, while "on" does."""
-    C = doorbell.lane_module()
+    C = shm_ring.lane_module()
     a, b = socket.socketpair()
     rows, hidden = 1, 1000
     encoded, step_at, layer_at, ubatch_at, nbytes = frame_template(torch.float32, rows, hidden)
@@ -152,10 +152,10 @@ def test_payloads_under_the_minimum_are_copied_through_the_caches():
     src, slot = torch.randn(rows, hidden), torch.empty(nbytes, dtype=torch.uint8)
     try:
         for policy, streamed in (("auto", 0), ("on", 20 * nbytes)):
-            tx = torch.zeros(doorbell.RING_BYTES, dtype=torch.uint8)
-            rx = torch.zeros(doorbell.RING_BYTES, dtype=torch.uint8)
-            lane = C.lane_new(tx.data_ptr(), rx.data_ptr(), a.fileno(), doorbell.RING_ENTRIES,
-                              doorbell.ENTRY_BYTES, doorbell.COPY_POLICIES[policy])
+            tx = torch.zeros(shm_ring.RING_BYTES, dtype=torch.uint8)
+            rx = torch.zeros(shm_ring.RING_BYTES, dtype=torch.uint8)
+            lane = C.lane_new(tx.data_ptr(), rx.data_ptr(), a.fileno(), shm_ring.RING_ENTRIES,
+                              shm_ring.ENTRY_BYTES, shm_ring.COPY_POLICIES[policy])
             for i in range(20):
                 assert C.lane_send_frame(lane, encoded, step_at, layer_at, ubatch_at, 1, i, 0,
                                          src.data_ptr(), slot.data_ptr(), nbytes) == 0
@@ -172,22 +172,22 @@ def test_an_unknown_copy_policy_is_refused_with_the_choices():
         create_connector(AFDConfig(role="ffn", connector="shm", port=free_port(),
                                    connector_extra_config={"stream_copies": "fast"}),
                          hidden_size=HIDDEN, dtype=torch.float32, max_tokens=8)
-    C = doorbell.lane_module()
+    C = shm_ring.lane_module()
     with pytest.raises(ValueError, match="copy_policy"):
-        C.lane_new(0, 0, -1, doorbell.RING_ENTRIES, doorbell.ENTRY_BYTES, 3)
+        C.lane_new(0, 0, -1, shm_ring.RING_ENTRIES, shm_ring.ENTRY_BYTES, 3)
 
 
 def test_a_streamed_copy_is_exact_at_any_alignment_and_length():
     """Streamed stores need 16-byte aligned destinations: an unaligned head and
     a tail shorter than 16 bytes go the ordinary way, and nothing around the
     destination is touched."""
-    C = doorbell.lane_module()
+    C = shm_ring.lane_module()
     a, b = socket.socketpair()
     encoded, step_at, layer_at, ubatch_at, _ = frame_template(torch.float32, 1, 8)
-    tx = torch.zeros(doorbell.RING_BYTES, dtype=torch.uint8)
-    rx = torch.zeros(doorbell.RING_BYTES, dtype=torch.uint8)
-    lane = C.lane_new(tx.data_ptr(), rx.data_ptr(), a.fileno(), doorbell.RING_ENTRIES,
-                      doorbell.ENTRY_BYTES, doorbell.COPY_POLICIES["on"])
+    tx = torch.zeros(shm_ring.RING_BYTES, dtype=torch.uint8)
+    rx = torch.zeros(shm_ring.RING_BYTES, dtype=torch.uint8)
+    lane = C.lane_new(tx.data_ptr(), rx.data_ptr(), a.fileno(), shm_ring.RING_ENTRIES,
+                      shm_ring.ENTRY_BYTES, shm_ring.COPY_POLICIES["on"])
     g = torch.Generator().manual_seed(1)
     src = torch.randint(0, 256, (9000,), dtype=torch.uint8, generator=g)
     streamed = 0

@@ -19,7 +19,7 @@ from vllm.afd.attention.link import AttentionLink, ForwardPass
 from vllm.afd.ffn.loop import FFNLoop
 from vllm.afd.observability.metrics import LinkCollector
 from vllm.afd.topology import FFNPlacement
-from vllm.afd.transport import doorbell
+from vllm.afd.transport import shm_ring
 from vllm.afd.transport.config import LinkConfig
 from vllm.afd.transport.connectors import AFDConnectionError
 from vllm.afd.transport.wire import StepHeader
@@ -178,11 +178,11 @@ def test_a_goodbye_instead_of_the_next_hidden_states_is_raised_by_the_general_re
 @pytest.mark.parametrize("connector", PAIRS)
 def test_an_answer_later_than_the_prepared_wait_arrives_through_the_general_path(
         monkeypatch, connector):
-    """An FFN slower than the C take's bound (doorbell.FAST_WAIT_MS): the
+    """An FFN slower than the C take's bound (shm_ring.FAST_WAIT_MS): the
     general receive waits on and delivers the output."""
-    from vllm.afd.transport import doorbell
+    from vllm.afd.transport import shm_ring
 
-    monkeypatch.setattr(doorbell, "FAST_WAIT_MS", 20)
+    monkeypatch.setattr(shm_ring, "FAST_WAIT_MS", 20)
     ffn, attn = PAIRS[connector](spin_us=0)
 
     def slow():
@@ -249,7 +249,7 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps(pat
         assert loop.compute_hist.count == 3 * len(layers)
         # Spins that lost their core land in each side's link statistics (lane_note_spin
         # notes one as the C wait does; three within a second make a backoff).
-        lane_C = doorbell.lane_module()
+        lane_C = shm_ring.lane_module()
         before = (stats.spin_preemptions, stats.spin_backoffs,
                   ffn_stats.spin_preemptions, ffn_stats.spin_backoffs)
         t = time.monotonic_ns()

@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 #    Hello.transfer_to_attention, Hello.scale_group; LayerFrame.encoding and
 #    LayerFrame.scale_group; fp8 payloads laid out by PayloadLayout.
 # 6: StepHeader.from_layer (a step resumed mid-way on a standby FFN server).
-# 7: shm messages travel in a shared-memory ring with a doorbell (doorbell.py),
+# 7: shm messages travel in a shared-memory ring with a doorbell (shm_ring.py),
 #    ShmHandshake.ring_entries and ring_entry_bytes.
 # 8: shm payload slots start on a page of their own (ShmHandshake.slots_offset).
 PROTOCOL_VERSION = 8

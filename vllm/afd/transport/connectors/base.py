@@ -94,7 +94,7 @@ FAREWELL_TIMEOUT_S = 1.0
 
 def spin_us_setting(config, default: float) -> float:
     """connector_extra_config["spin_us"]: how long a waiting side spins before
-    it sleeps (shm: on the ring, ../doorbell.py; tcp: on the socket), checked."""
+    it sleeps (shm: on the ring, ../shm_ring.py; tcp: on the socket), checked."""
     spin_us = config.connector_extra_config.get("spin_us", default)
     if (isinstance(spin_us, bool) or not isinstance(spin_us, (int, float))
             or not 0 <= spin_us <= 1_000_000):
@@ -331,7 +331,7 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
     def spin_counters(self, peer: int = 0) -> tuple[int, int]:
         """(preempted spins, spin backoffs) of the link to peer so far: waits
         whose spin lost its core, and the times that turned spinning off for a
-        while (doorbell.py). 0, 0 for connectors that do not spin."""
+        while (shm_ring.py). 0, 0 for connectors that do not spin."""
         return 0, 0
 
     def report_error(self, text: str) -> None:

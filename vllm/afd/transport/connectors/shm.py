@@ -8,7 +8,7 @@ only wakes a receiver that went to sleep and reports a peer's death (EOF).
 
 Layout, per attention peer: two segments created by the FFN during the
 handshake, one per direction (attention->FFN hidden states, FFN->attention
-outputs), each holding the direction's message ring (../doorbell.py) and then
+outputs), each holding the direction's message ring (../shm_ring.py) and then
 one slot per micro-batch of slot_bytes (>= max_tokens * hidden_size *
 itemsize, rounded to 64 bytes). The sender copies the tensor into the slot of
 its micro-batch, writes the LayerFrame into the ring and publishes it with a
@@ -37,14 +37,14 @@ The FFN commits the memory when it creates a segment (posix_fallocate), so a
 too-small /dev/shm is a clear error at connect time, not a SIGBUS mid-step.
 A mapping is never unmapped under a thread still waiting on its ring or
 holding a received view: it goes with the last tensor made from it.
-Memory: 2 x (doorbell.SLOTS_OFFSET + num_ubatches x max_tokens x hidden_size x
+Memory: 2 x (shm_ring.SLOTS_OFFSET + num_ubatches x max_tokens x hidden_size x
 itemsize) per peer.
 
 The socket is a Linux abstract unix socket named after the port (nothing to
 clean up); connector_extra_config {"notify": "tcp"} uses host:port over TCP
 instead, for containers that share /dev/shm but not a network namespace.
 connector_extra_config {"spin_us": N} sets how long a waiting side spins
-before it sleeps (../doorbell.py: CPU use, and 0 to never spin).
+before it sleeps (../shm_ring.py: CPU use, and 0 to never spin).
 connector_extra_config {"stream_copies": "auto" | "on" | "off"}: how a payload
 goes into its slot, with cached or non-temporal stores. "auto" (the default)
 measures both per direction, the sender's copy plus the receiver's read, and
@@ -67,7 +67,7 @@ import weakref
 import msgspec
 import torch
 
-from vllm.afd.transport import doorbell
+from vllm.afd.transport import shm_ring
 from vllm.afd.transport.buffers import HostSlots
 from vllm.afd.transport.connectors.base import (AFDConnectionError, LinkClosed,
                                                 spin_us_setting)
@@ -90,14 +90,14 @@ class ShmHandshake(msgspec.Struct):
     """What the FFN's HelloAck carries for shm (HelloAck.transport): the names of
     the segments made for this peer (attention->FFN, FFN->attention), the
     bytes of one micro-batch slot in each, and the layout of the message ring
-    before the slots (../doorbell.py) and where the slots start, which both
+    before the slots (../shm_ring.py) and where the slots start, which both
     sides must share."""
 
     segments: list[str]
     slot_bytes: int
     ring_entries: int
     ring_entry_bytes: int
-    slots_offset: int = doorbell.SLOTS_OFFSET
+    slots_offset: int = shm_ring.SLOTS_OFFSET
 
 
 def _unlink(name: str) -> None:
@@ -182,7 +182,7 @@ class ShmConnector(ShmFrames, StepCalls, SocketConnector):
     (off loopback it needs a secret, as the tcp connector does).
 
     spin_us: microseconds (0-1000000, default 0) a waiting side spins on the
-    message ring before it sleeps (transport/doorbell.py). Spinning spares a
+    message ring before it sleeps (transport/shm_ring.py). Spinning spares a
     wake-up per message but keeps a core busy while it waits, and slows every
     process on a host with more runnable threads than cores: set it beyond the
     other side's compute of a layer, and only where each role has cores of its
@@ -192,7 +192,7 @@ class ShmConnector(ShmFrames, StepCalls, SocketConnector):
     slot: cached or non-temporal (streamed) stores. "auto" times both per
     direction (the sender's copy plus the receiver's read) and keeps the
     cheaper, since which one wins depends on where the two cores sit."""
-    spins_on_socket = False  # its waits spin on the rings (../doorbell.py)
+    spins_on_socket = False  # its waits spin on the rings (../shm_ring.py)
 
     def __init__(self, afd_config, **kwargs) -> None:
         super().__init__(afd_config, **kwargs)
@@ -207,12 +207,12 @@ class ShmConnector(ShmFrames, StepCalls, SocketConnector):
             raise ValueError(f"AFDConfig.connector_extra_config['notify']: invalid value "
                              f"{notify!r}; valid choices: 'unix', 'tcp'")
         self._unix_notify = notify == "unix" and sys.platform.startswith("linux")
-        self.spin_us = spin_us_setting(self.afd_config, doorbell.DEFAULT_SPIN_US)
+        self.spin_us = spin_us_setting(self.afd_config, shm_ring.DEFAULT_SPIN_US)
         stream_copies = self.afd_config.connector_extra_config.get("stream_copies", "auto")
-        if stream_copies not in doorbell.COPY_POLICIES:
+        if stream_copies not in shm_ring.COPY_POLICIES:
             raise ValueError(f"AFDConfig.connector_extra_config['stream_copies']: invalid "
                              f"value {stream_copies!r}; valid choices: "
-                             f"{', '.join(map(repr, doorbell.COPY_POLICIES))}")
+                             f"{', '.join(map(repr, shm_ring.COPY_POLICIES))}")
         self.stream_copies = stream_copies
         # Layer calls in one C call per message end (step_calls.py, shm_frames.py).
         self._init_step_calls()
@@ -223,7 +223,7 @@ class ShmConnector(ShmFrames, StepCalls, SocketConnector):
         """The message ring first (the same offset on both sides), then this
         side's payload slots: an FFN sized for more micro-batches than the
         attention peer uses makes more slots, which the peer never maps."""
-        return doorbell.SLOTS_OFFSET + self.slot_bytes * self.num_ubatches
+        return shm_ring.SLOTS_OFFSET + self.slot_bytes * self.num_ubatches
 
     # ------------------------------------------------------------ rendezvous
     @property
@@ -273,7 +273,7 @@ class ShmConnector(ShmFrames, StepCalls, SocketConnector):
         self._segments[peer] = (to_attention, to_ffn)
         return msgspec.msgpack.encode(ShmHandshake(
             segments=[to_ffn.name, to_attention.name], slot_bytes=self.slot_bytes,
-            ring_entries=doorbell.RING_ENTRIES, ring_entry_bytes=doorbell.ENTRY_BYTES))
+            ring_entries=shm_ring.RING_ENTRIES, ring_entry_bytes=shm_ring.ENTRY_BYTES))
 
     def _on_refused(self, peer: int) -> None:
         for segment in self._segments.pop(peer, ()):
@@ -281,16 +281,16 @@ class ShmConnector(ShmFrames, StepCalls, SocketConnector):
 
     def _on_confirmed(self, peer: int) -> None:
         writes, reads = self._segments[peer]
-        at = doorbell.SLOTS_OFFSET  # the ring, then the slots on a page of their own
+        at = shm_ring.SLOTS_OFFSET  # the ring, then the slots on a page of their own
         self._tx[peer] = HostSlots(writes.tensor[at:], self.slot_bytes, self.num_ubatches,
                                    self.ops)
         self._rx[peer] = HostSlots(reads.tensor[at:], self.slot_bytes, self.num_ubatches,
                                    self.ops)
         # From here on messages travel through the rings; the socket only
         # wakes a sleeping receiver and reports a peer's death.
-        ring = doorbell.RING_BYTES
-        rings = (doorbell.Ring(writes.tensor[:ring]), doorbell.Ring(reads.tensor[:ring]))
-        self._streams[peer] = doorbell.RingStream(self._streams[peer], *rings, spin_us=self.spin_us,
+        ring = shm_ring.RING_BYTES
+        rings = (shm_ring.Ring(writes.tensor[:ring]), shm_ring.Ring(reads.tensor[:ring]))
+        self._streams[peer] = shm_ring.RingStream(self._streams[peer], *rings, spin_us=self.spin_us,
                                               stream_copies=self.stream_copies)
 
     def _on_ack(self, ack_transport: bytes) -> None:
@@ -301,15 +301,15 @@ class ShmConnector(ShmFrames, StepCalls, SocketConnector):
         if len(ack.segments) != 2:
             raise ProtocolError(f"HelloAck.transport (shm) segments: expected 2 names, "
                                 f"received {ack.segments}")
-        if (ack.ring_entries, ack.ring_entry_bytes) != (doorbell.RING_ENTRIES,
-                                                        doorbell.ENTRY_BYTES):
+        if (ack.ring_entries, ack.ring_entry_bytes) != (shm_ring.RING_ENTRIES,
+                                                        shm_ring.ENTRY_BYTES):
             raise ProtocolError(f"HelloAck.transport (shm) message ring: expected "
-                                f"{doorbell.RING_ENTRIES} entries of {doorbell.ENTRY_BYTES} "
+                                f"{shm_ring.RING_ENTRIES} entries of {shm_ring.ENTRY_BYTES} "
                                 f"bytes, received {ack.ring_entries} of "
                                 f"{ack.ring_entry_bytes}")
-        if ack.slots_offset != doorbell.SLOTS_OFFSET:
+        if ack.slots_offset != shm_ring.SLOTS_OFFSET:
             raise ProtocolError(f"HelloAck.transport (shm) slots_offset: expected "
-                                f"{doorbell.SLOTS_OFFSET} (the ring, then whole pages), "
+                                f"{shm_ring.SLOTS_OFFSET} (the ring, then whole pages), "
                                 f"received {ack.slots_offset}")
         if not self.max_bytes <= ack.slot_bytes <= 2 * self.slot_bytes:
             raise ProtocolError(f"HelloAck.transport (shm) slot_bytes: expected "
@@ -348,7 +348,7 @@ class ShmConnector(ShmFrames, StepCalls, SocketConnector):
     # ------------------------------------------------------------------ frames
     def spin_counters(self, peer: int = 0) -> tuple[int, int]:
         link = self._streams.get(peer)
-        if type(link) is not doorbell.RingStream:
+        if type(link) is not shm_ring.RingStream:
             return 0, 0
         counters = link.counters
         return counters["preempted_spins"], counters["spin_backoffs"]

@@ -16,7 +16,7 @@ on the consumer's stream, and the slot's event is settled before this side's
 next message on that micro-batch (which lets the peer write the slot again).
 
 What the prepared calls do not take goes the general way (attention_side.py,
-ffn_side.py: the Python protocol over the ring, doorbell.py). Why comparing
+ffn_side.py: the Python protocol over the ring, shm_ring.py). Why comparing
 bytes checks a frame: prepared.py.
 
 Mixed into ShmConnector (shm.py) ahead of StepCalls and the protocol classes.
@@ -25,7 +25,7 @@ Mixed into ShmConnector (shm.py) ahead of StepCalls and the protocol classes.
 
 import torch
 
-from vllm.afd.transport import doorbell, wire
+from vllm.afd.transport import shm_ring, wire
 from vllm.afd.transport.buffers import HostSlots
 from vllm.afd.transport.connectors.prepared import (
     Ubatch, codec_spec, frame_template, received_frame)
@@ -80,7 +80,7 @@ class ShmFrames:
         micro-batch's slot; the FFN's exact hidden states taken there without
         a copy."""
         link = self._streams.get(peer)
-        addresses = self._addresses(peer) if type(link) is doorbell.RingStream else None
+        addresses = self._addresses(peer) if type(link) is shm_ring.RingStream else None
         if addresses is None:
             return None
         sends, recvs, routed_frames, ubatches = [], [], [], []

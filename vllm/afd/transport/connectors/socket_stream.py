@@ -4,7 +4,7 @@
 
 tcp's transport, and the header channel of the shm and nccl connectors (which
 move payloads elsewhere and announce payload length 0). Its own module so that
-tcp.py, which builds connectors on it, and doorbell.py, which wakes a peer
+tcp.py, which builds connectors on it, and shm_ring.py, which wakes a peer
 through it, both import it without importing each other.
 """
 

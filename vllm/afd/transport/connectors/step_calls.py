@@ -32,7 +32,7 @@ memory.
 Everything that is not the common case, and every surprise, takes the general
 path, unchanged: nothing sent (a full ring or socket buffer) means the general
 path sends it all; a receive that does not find the expected frame within its
-bound (doorbell.FAST_WAIT_MS, or the link's spin where longer) leaves the
+bound (shm_ring.FAST_WAIT_MS, or the link's spin where longer) leaves the
 message where it was (in the ring; peeked, not read, on a socket), and the
 general receive reads it and raises the error it always did (an ErrorFrame, a
 goodbye, a malformed or mismatched frame), with its own timeout. A socket that
@@ -55,7 +55,7 @@ import os
 
 import torch
 
-from vllm.afd.transport import doorbell, wire
+from vllm.afd.transport import shm_ring, wire
 from vllm.afd.transport.buffers import HostSlots
 from vllm.afd.transport.connectors.codec import Packed
 from vllm.afd.transport.connectors.prepared import Ubatch, routable
@@ -125,10 +125,10 @@ class StepCalls:
         if frames is None:
             return
         owner, transport, spin_ns, sends, recvs, routed, ubatches = frames
-        C = doorbell.lane_module()
+        C = shm_ring.lane_module()
         attention = self.is_attention
         calls = C.step_calls_prepare(owner, transport, step.step_id, spin_ns,
-                                     doorbell.FAST_WAIT_MS, max(1, int(self.timeout_s * 1000)),
+                                     shm_ring.FAST_WAIT_MS, max(1, int(self.timeout_s * 1000)),
                                      sends, recvs, routed if routed and attention else None,
                                      routed if routed and not attention else None)
         self._prepared[peer] = (calls, C, ubatches)
@@ -146,9 +146,8 @@ class StepCalls:
     def _not_sent(self, peer: int, status: int, layer_id: int, u: int, what: str) -> bool:
         """A post's status other than 0 (sent): 1, nothing sent (the general
         path sends it); -errno, a socket's stream broken mid-frame (the
-        connector fails with the general path's error, raised by the caller's
-        next call). False either way: the caller's `return` (a Python call
-        less on the common path, which checks the status inline)."""
+        connector fails with the general path's error, which the general
+        path then raises). False either way."""
         if status < 0:
             self._broken(peer, status, What("layer {} ubatch {} " + what, layer_id, u), "send")
         return False
@@ -187,67 +186,59 @@ class StepCalls:
         if self.is_attention:
             self._prepare(0, header)
 
+    # send_call and recv_call hold the C calls' Python inline: a Python call
+    # costs microseconds on a cold cache (each tensor attribute 1-3 us after a
+    # layer's compute), and these are on the path both sides wait on. What the
+    # C calls do not take goes to the general path (send_hidden, recv_output).
     def send_call(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
                   routing: wire.Routing | None = None) -> None:
-        if self._post_hidden(layer_id, ubatch_id, h, routing):
-            self._posted[ubatch_id] = layer_id
-        else:
-            self.send_hidden(layer_id, ubatch_id, h, routing=routing)
-
-    def recv_call(self, layer_id: int, ubatch_id: int,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-        if (self._posted.pop(ubatch_id, None) == layer_id
-                and self._take_output(layer_id, ubatch_id, out)):
-            return out
-        return self.recv_output(layer_id, ubatch_id, out=out)
-
-    def _post_hidden(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
-                     routing: "wire.Routing | None") -> bool:
-        """send_call's C post; False: nothing sent (send_hidden sends it)."""
         prepared = self._prepared.get(0)
         if prepared is None or self._in_flight or self._failure is not None:
-            return False
+            return self.send_hidden(layer_id, ubatch_id, h, routing=routing)
         calls, C, ubatches = prepared
         ub = ubatches[ubatch_id]
-        # Inline checks: a Python call costs microseconds on a cold cache (each
-        # tensor attribute 1-3 us after a layer's compute). What the copy needs
-        # (host memory, contiguous, the frame's byte count) and the dtype;
-        # nbytes, not shape: a tuple compare costs 4x an attribute. `out`'s are
-        # _take_output's, made while the FFN computes.
+        # What the copy needs (host memory, contiguous, the frame's byte count)
+        # and the dtype; nbytes, not shape: a tuple compare costs 4x an
+        # attribute. `out`'s are recv_call's, made while the FFN computes.
         if not (h.dtype == self.dtype and h.nbytes == ub.nbytes and h.is_contiguous()):
-            return False
+            return self.send_hidden(layer_id, ubatch_id, h, routing=routing)
         if h.is_cpu and self._on_host:
             src = h.data_ptr()
         elif self.send_scale_group or routing is not None:
             # A device connector's frame, prepared raw; a host connector's C
             # packs host memory: a device tensor there goes the general way.
-            return not self._on_host and self._post_packed(0, layer_id, ubatch_id, h, ub,
-                                                           routing, calls, C)
+            if self._on_host or not self._post_packed(0, layer_id, ubatch_id, h, ub, routing,
+                                                      calls, C):
+                return self.send_hidden(layer_id, ubatch_id, h, routing=routing)
+            self._posted[ubatch_id] = layer_id
+            return
         else:
             src = self._staged_source(0, ubatch_id, h)
         if routing is None:
             status = C.step_calls_post(calls, ubatch_id, layer_id, src)
-            if status:
-                return self._not_sent(0, status, layer_id, ubatch_id, "hidden states")
-            self.bytes_sent += ub.sent
+            sent = ub.sent
         else:
             weights, ids = routing
             if not (ub.routed and routable(weights, ids, ub)):
-                return False  # not prepared, or not as the frame needs it
+                # Not prepared, or not as the frame needs it.
+                return self.send_hidden(layer_id, ubatch_id, h, routing=routing)
             status = C.step_calls_post(calls, ubatch_id, layer_id, src, weights.data_ptr(),
                                        ids.data_ptr())
-            if status:
-                return self._not_sent(0, status, layer_id, ubatch_id, "hidden states")
-            self.bytes_sent += ub.routed
+            sent = ub.routed
+        if status:
+            self._not_sent(0, status, layer_id, ubatch_id, "hidden states")
+            return self.send_hidden(layer_id, ubatch_id, h, routing=routing)
+        self.bytes_sent += sent
         self.fast_calls += 1
-        return True
+        self._posted[ubatch_id] = layer_id
 
-    def _take_output(self, layer_id: int, ubatch_id: int, out: "torch.Tensor | None") -> bool:
-        """recv_call's C take of a posted call's output into out; False: the
-        general receive (recv_output) takes it, queued for it here."""
+    def recv_call(self, layer_id: int, ubatch_id: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        if self._posted.pop(ubatch_id, None) != layer_id:  # sent the general way
+            return self.recv_output(layer_id, ubatch_id, out=out)
         calls, C, ubatches = self._prepared[0]
         ub = ubatches[ubatch_id]
-        # What the copy into `out` needs (as _post_hidden's checks, made here
+        # What the copy into `out` needs (as send_call's checks, made here
         # while the FFN computes); fp8 is unpacked into host memory by the C
         # call, on a device connector on the device (unstage). The general
         # receive takes any other `out` (None: its buffer's).
@@ -269,7 +260,7 @@ class StepCalls:
                     else:
                         self._decode_staged(self._staged_slots(0), 0, ubatch_id, unstage[0],
                                             out)
-                return True
+                return out
             self.bytes_received -= ub.received
             self.fast_calls -= 1
             if status < 0:
@@ -277,7 +268,7 @@ class StepCalls:
                                              ubatch_id), "payload")
         # The general receive takes over (recv_output: its wait, its errors).
         self._in_flight.append((layer_id, ubatch_id, ub.shape))
-        return False
+        return self.recv_output(layer_id, ubatch_id, out=out)
 
     # ------------------------------------------------------------- FFN side
     def recv_step(self, peer: int = 0, timeout_s: float | None = None) -> wire.StepHeader:
@@ -286,52 +277,13 @@ class StepCalls:
             self._prepare(peer, header)
         return header
 
+    # take_call and reply_call hold the C calls' Python inline too: between
+    # the hidden states' arrival and the mlp, and between the mlp and the
+    # attention side, every line counts.
     def take_call(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor | Packed":
-        h = self._take_prepared(peer, layer_id, ubatch_id)
-        return h if h is not None else self.recv_hidden(peer, layer_id, ubatch_id, defer=True)
-
-    def reply_call(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> None:
-        if not self._post_output(peer, layer_id, ubatch_id, out):
-            super().reply_call(peer, layer_id, ubatch_id, out)
-
-    def _post_output(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> bool:
-        """reply_call's C post; False: nothing sent (send_output sends it)."""
-        prepared = self._prepared.get(peer)
-        awaiting, key = self._awaiting, (peer, ubatch_id)
-        awaited = awaiting.get(key)
-        if (prepared is None or awaited is None or awaited[0] != layer_id
-                or self._failure is not None):
-            return False
-        calls, C, ubatches = prepared
-        ub = ubatches[ubatch_id]
-        # Inline checks (see _post_hidden): this is the path from the mlp to
-        # the attention side.
-        if not (out.dtype == self.dtype and out.nbytes == ub.nbytes and out.is_contiguous()):
-            return False
-        if out.is_cpu and self._on_host:
-            src = out.data_ptr()
-        elif self.send_scale_group:  # fp8: packed on the device, then staged
-            if self._on_host:
-                return False  # a device tensor on a host connector: the general way
-            src = self._staged_source(peer, ubatch_id, self._encode(peer, ubatch_id, out, None))
-        else:
-            src = self._staged_source(peer, ubatch_id, out)
-        status = C.step_calls_post(calls, ubatch_id, layer_id, src)
-        if status:
-            return self._not_sent(peer, status, layer_id, ubatch_id, "output")
-        # Sent: the bookkeeping now, while the attention side computes.
-        self.bytes_sent += ub.sent
-        self.fast_calls += 1
-        del awaiting[key]
-        self._routings.pop(key, None)
-        return True
-
-    def _take_prepared(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor | None":
-        """take_call's C take: the hidden states, or None when they did
-        not come as expected (the general receive takes over)."""
         prepared = self._prepared.get(peer)
         if prepared is None or self._failure is not None:
-            return None
+            return self.recv_hidden(peer, layer_id, ubatch_id, defer=True)
         calls, C, ubatches = prepared
         ub = ubatches[ubatch_id]
         view = ub.view  # a host FFN's: where its hidden states are taken
@@ -368,7 +320,39 @@ class StepCalls:
         if status < 0:
             self._broken(peer, status, What("the hidden states of layer {} ubatch {}",
                                             layer_id, ubatch_id), "payload")
-        return None
+        # Not the expected frame (or none in time): the general receive.
+        return self.recv_hidden(peer, layer_id, ubatch_id, defer=True)
+
+    def reply_call(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> None:
+        prepared = self._prepared.get(peer)
+        awaiting, key = self._awaiting, (peer, ubatch_id)
+        awaited = awaiting.get(key)
+        if (prepared is None or awaited is None or awaited[0] != layer_id
+                or self._failure is not None):
+            return super().reply_call(peer, layer_id, ubatch_id, out)
+        calls, C, ubatches = prepared
+        ub = ubatches[ubatch_id]
+        # The checks inline (see send_call): this is the path from the mlp to
+        # the attention side.
+        if not (out.dtype == self.dtype and out.nbytes == ub.nbytes and out.is_contiguous()):
+            return super().reply_call(peer, layer_id, ubatch_id, out)
+        if out.is_cpu and self._on_host:
+            src = out.data_ptr()
+        elif self.send_scale_group:  # fp8: packed on the device, then staged
+            if self._on_host:  # a device tensor on a host connector: the general way
+                return super().reply_call(peer, layer_id, ubatch_id, out)
+            src = self._staged_source(peer, ubatch_id, self._encode(peer, ubatch_id, out, None))
+        else:
+            src = self._staged_source(peer, ubatch_id, out)
+        status = C.step_calls_post(calls, ubatch_id, layer_id, src)
+        if status:
+            self._not_sent(peer, status, layer_id, ubatch_id, "output")
+            return super().reply_call(peer, layer_id, ubatch_id, out)
+        # Sent: the bookkeeping now, while the attention side computes.
+        self.bytes_sent += ub.sent
+        self.fast_calls += 1
+        del awaiting[key]
+        self._routings.pop(key, None)
 
     def take_reply_send_s(self, peer: int) -> float:
         return self._prepared_send_s(peer) + super().take_reply_send_s(peer)

@@ -104,7 +104,7 @@ class SocketConnector(AFDConnector):
     where each role has cores of its own. A wait with no step in progress never
     spins, so an idle link costs no CPU."""
     # Whether this connector's frames wait on the socket, so that spin_us
-    # spins there (shm's wait on their rings and spin there: ../doorbell.py).
+    # spins there (shm's wait on their rings and spin there: ../shm_ring.py).
     spins_on_socket = True
 
     def __init__(self, afd_config, **kwargs) -> None:
