@@ -67,17 +67,21 @@ def staged_shm_pair(attention_ops: DeferredOps | None = None):
 
 
 @pytest.mark.parametrize("settled", [True, False])
-def test_staged_prepared_calls_settle_the_slot_before_the_next_post(settled, monkeypatch):
-    """A device's prepared calls: the output is copied out of the shared slot
-    on the consumer's stream after the call returns (here 0.2 s later). The
-    next post on that micro-batch lets the FFN write the slot again, so it
-    settles that copy first. settled=False makes the release a no-op: the
-    negative control, where the first output reads the second."""
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_staged_calls_settle_the_slot_before_it_is_written_again(kind, settled, monkeypatch,
+                                                                patient_waits):
+    """A device's step calls: the output is copied out of the slot it came in
+    (shm: the shared slot; tcp: the pinned receive slot) on the consumer's
+    stream after the call returns (here 0.2 s later). Before that slot can be
+    written again (shm: the next post on that micro-batch lets the FFN write
+    it; tcp: the next receive into it) the copy is settled. settled=False
+    makes the settling a no-op: the negative control, where the first output
+    reads the second."""
     from vllm.afd.transport.buffers import HostSlots
 
     if not settled:
         monkeypatch.setattr(HostSlots, "release", lambda self, u: None)
-    attn, ffn = staged_shm_pair()
+    attn, ffn = staged_shm_pair() if kind == "shm" else staged_tcp_pair()[::-1]
     try:
         attn.send_step(StepHeader(step_id=1, num_tokens=[4]))
         ffn.recv_step(0)
@@ -85,7 +89,10 @@ def test_staged_prepared_calls_settle_the_slot_before_the_next_post(settled, mon
         out1, out2 = torch.zeros(4, H), torch.zeros(4, H)
         for layer, h, out in ((0, first, out1), (1, second, out2)):
             attn.send_call(layer, 0, h)
-            ffn.reply_call(0, layer, 0, ffn.take_call(0, layer, 0).clone())
+            got = ffn.take_call(0, layer, 0)
+            if kind == "tcp":  # its copy to the "device" landed
+                ffn.ops.pool.submit(lambda: None).result()
+            ffn.reply_call(0, layer, 0, got.clone())
             attn.recv_call(layer, 0, out)  # its copy is still in flight
         attn.ops.pool.shutdown(wait=True)
         assert attn.fast_calls == 4 and ffn.fast_calls == 4  # no general path taken

@@ -23,7 +23,7 @@ from vllm.afd.transport.connectors.shm_frames import ShmFrames
 from vllm.afd.transport.connectors.tcp_frames import TcpFrames, socket_frame_template
 from vllm.afd.transport.wire import StepHeader
 from helpers.connectors import HIDDEN, Background
-from helpers.pairs import loop_and_link, pair, prepared_steps, reply_echo, staged_tcp_pair, tcp_pair
+from helpers.pairs import loop_and_link, pair, prepared_steps, reply_echo, tcp_pair
 
 
 # Every test here counts prepared calls: none may fall back for a busy host.
@@ -197,37 +197,3 @@ def test_the_link_and_the_loop_take_prepared_calls():
     finally:
         link.close()
         loop.stop()
-
-
-@pytest.mark.parametrize("settled", [True, False])
-def test_staged_calls_settle_the_slot_before_receiving_into_it_again(settled, monkeypatch):
-    """A device's prepared calls: the output is copied out of the pinned
-    receive slot on the consumer's stream after the call returns (here 0.2 s
-    later). The next receive into that slot settles that copy first.
-    settled=False makes the settling a no-op: the negative control, where the
-    first output reads the second."""
-    from vllm.afd.transport.buffers import HostSlots
-
-    if not settled:
-        monkeypatch.setattr(HostSlots, "release", lambda self, u: None)
-    ffn, attn = staged_tcp_pair()
-    try:
-        attn.send_step(StepHeader(step_id=1, num_tokens=[4]))
-        ffn.recv_step(0)
-        first, second = torch.full((4, HIDDEN), 1.0), torch.full((4, HIDDEN), 2.0)
-        out1, out2 = torch.zeros(4, HIDDEN), torch.zeros(4, HIDDEN)
-        for layer, h, out in ((0, first, out1), (1, second, out2)):
-            attn.send_call(layer, 0, h)
-            got = ffn.take_call(0, layer, 0)
-            ffn.ops.pool.submit(lambda: None).result()  # its copy to the "device" landed
-            ffn.reply_call(0, layer, 0, got.clone())
-            attn.recv_call(layer, 0, out)  # its copy is still in flight
-        attn.ops.pool.shutdown(wait=True)
-        assert attn.fast_calls == 4 and ffn.fast_calls == 4  # no general path taken
-        if settled:
-            assert torch.equal(out1, first) and torch.equal(out2, second)
-        else:
-            assert torch.equal(out1, second)  # corrupted, as predicted
-    finally:
-        attn.close()
-        ffn.close()
