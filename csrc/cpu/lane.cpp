@@ -22,7 +22,7 @@
 // Waiting (spin, then sleep on the socket) is the doorbell's
 // (afd_doorbell_wait, doorbell.cpp), with the backoff of preempted spins kept
 // here per lane. Sequence counters live here too, so the Python path and the
-// fast path share them.
+// prepared calls share them.
 #include <Python.h>
 #include <stdlib.h>
 #include <string.h>

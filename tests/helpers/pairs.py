@@ -38,9 +38,10 @@ def pair(*, ffn_ubatches: int = 1, attention_ubatches: int = 1, spin_us=None,
     return ffn, attn
 
 
-def echo(ffn, layers: int) -> int:
+def echo(ffn, layers: int, posted: list | None = None) -> int:
     """Serve steps (output = 2 * hidden + layer) until the attention side
-    leaves, through the step channel as the FFN loop does."""
+    leaves, through the step channel as the FFN loop does; posted: gets each
+    step's count of prepared sends."""
     steps = 0
     while True:
         step = ffn.recv_step(0)
@@ -49,6 +50,9 @@ def echo(ffn, layers: int) -> int:
         for layer in range(layers):
             for u in range(len(step.num_tokens)):
                 ffn.reply_call(0, layer, u, ffn.take_call(0, layer, u) * 2 + layer)
+        if posted is not None:
+            prepared, C, _ = ffn._prepared[0]
+            posted.append(C.step_calls_times(prepared)[2])
         steps += 1
 
 
@@ -105,23 +109,6 @@ def tcp_pair(*, spin_us: int = 20_000, timeout_s: float = 10):
     attn.connect()
     accepting.join_result()
     return ffn, attn
-
-
-def reply_echo(ffn, layers: int, posted: list | None = None) -> int:
-    """Serve one-micro-batch steps through the step channel, as the FFN loop
-    does (output = 2h + layer); posted: gets each step's count of prepared
-    sends."""
-    steps = 0
-    while True:
-        step = ffn.recv_step(0)
-        if step.is_goodbye or step.is_shutdown:
-            return steps
-        for layer in range(layers):
-            ffn.reply_call(0, layer, 0, ffn.take_call(0, layer, 0) * 2 + layer)
-        if posted is not None:
-            prepared, C, _ = ffn._prepared[0]
-            posted.append(C.step_calls_times(prepared)[2])
-        steps += 1
 
 
 def prepared_steps(attn, steps: list[int], layers: int) -> None:

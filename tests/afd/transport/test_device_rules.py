@@ -38,9 +38,6 @@ def shm_pair_on_a_deferred_device():
     ffn = make("shm", "ffn", port)
     attn = make("shm", "attention", port)
     attn.ops = DeferredOps()
-    # A real asynchronous device never takes shm's fast path (host tensors only,
-    # copied in C); this fake one sits on a CPU connector, so it is turned off.
-    attn._fast_enabled = lambda: False
     waiter = Background(ffn.connect)
     attn.connect()
     waiter.join_result()

@@ -24,7 +24,7 @@ from vllm.afd.transport.config import LinkConfig
 from vllm.afd.transport.connectors import AFDConnectionError
 from vllm.afd.transport.wire import StepHeader
 from helpers.connectors import HIDDEN, Background, free_port
-from helpers.pairs import loop_and_link, pair, prepared_steps, reply_echo, tcp_pair
+from helpers.pairs import echo, loop_and_link, pair, prepared_steps, tcp_pair
 from helpers.torch_ops import ALLOCATING, AtenOps
 
 
@@ -50,7 +50,7 @@ def test_prepared_calls_carry_every_layer_call_and_count_like_the_general_path(
     steps, layers = [3, 1, 16, 7], 4
     ffn, attn = pair(spin_us=20_000)
     posted = []
-    server = Background(reply_echo, ffn, layers, posted)
+    server = Background(echo, ffn, layers, posted)
     try:
         prepared_steps(attn, steps, layers)
         calls = len(steps) * layers
@@ -61,12 +61,12 @@ def test_prepared_calls_carry_every_layer_call_and_count_like_the_general_path(
     finally:
         attn.close()
         assert server.join_result() == len(steps)
-    # Every FFN take and reply too (reply_echo serves as the FFN loop does).
+    # Every FFN take and reply too (echo serves as the FFN loop does).
     assert ffn.fast_calls == 2 * calls
     assert posted == [layers] * len(steps)  # a prepared reply for every call
     ffn.close()
     ffn2, attn2 = pair(spin_us=20_000)
-    server = Background(reply_echo, ffn2, layers)
+    server = Background(echo, ffn2, layers)
     try:
         general_steps(attn2, steps, layers)
     finally:
@@ -89,7 +89,7 @@ def test_what_prepared_calls_cannot_carry_is_not_sent():
     cannot fill is refused by recv_call's C take (checked there, while the
     FFN computes, not on the way to it): the general receive takes over."""
     ffn, attn = pair(spin_us=20_000)
-    server = Background(reply_echo, ffn, 1)
+    server = Background(echo, ffn, 1)
     try:
         attn.send_step(StepHeader(step_id=1, num_tokens=[4]))
         lane = attn._streams[0]

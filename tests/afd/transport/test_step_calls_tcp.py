@@ -23,7 +23,7 @@ from vllm.afd.transport.connectors.shm_frames import ShmFrames
 from vllm.afd.transport.connectors.tcp_frames import TcpFrames, socket_frame_template
 from vllm.afd.transport.wire import StepHeader
 from helpers.connectors import HIDDEN, Background
-from helpers.pairs import loop_and_link, pair, prepared_steps, reply_echo, tcp_pair
+from helpers.pairs import echo, loop_and_link, pair, prepared_steps, tcp_pair
 
 
 # Every test here counts prepared calls: none may fall back for a busy host.
@@ -36,7 +36,7 @@ def test_layer_calls_go_through_prepared_calls_on_both_ends():
     byte counters say what went over the socket."""
     steps, layers = [3, 1, 16, 7], 4
     ffn, attn = tcp_pair()
-    server = Background(reply_echo, ffn, layers, None)
+    server = Background(echo, ffn, layers, None)
     try:
         prepared_steps(attn, steps, layers)
         calls = len(steps) * layers
@@ -68,7 +68,7 @@ def test_the_general_paths_frames_are_read_by_the_general_receive():
     receive finds them unequal, leaves them, and the general receive reads
     them; the replies, prepared, are read by the general receive alike."""
     ffn, attn = tcp_pair()
-    server = Background(reply_echo, ffn, 3, None)
+    server = Background(echo, ffn, 3, None)
     try:
         attn.send_step(StepHeader(step_id=1, num_tokens=[5]))
         for layer in range(3):
@@ -143,7 +143,7 @@ def test_shm_keeps_its_payloads_off_the_socket():
     has no socket calls: its layer calls go through the lane."""
 
     ffn, attn = pair(spin_us=20_000)
-    server = Background(reply_echo, ffn, 2, None)
+    server = Background(echo, ffn, 2, None)
     try:
         prepared_steps(attn, [3], 2)
         assert attn.fast_calls == 4

@@ -61,8 +61,9 @@ The per-message path is C (csrc/cpu/lane.cpp, a `Lane` per connection):
 sending copies the payload into its slot, writes the entry and publishes it
 in one call; receiving waits, checks and consumes in one. RingStream below is
 the general path (any message, its header decoded in Python); the shm
-connector's layer calls take the fast path (connectors/shm_frames.py, step_calls.py), which checks
-a layer frame by comparing its bytes with the header it expects. Why C: on a
+connector's layer calls take its prepared calls (connectors/step_calls.py,
+shm_frames.py), which check a layer frame by comparing its bytes with the
+header it expects. Why C: on a
 VM every page the path touches for the first time after a layer's compute
 costs microseconds (lane.cpp has the numbers).
 

@@ -106,8 +106,8 @@ def _exchange(hidden_states: torch.Tensor, output: torch.Tensor | None,
     routing = None
     if remote is not None and link.forward_pass is not None and link.forward_pass.is_real:
         routing = remote.layer_router(hidden_states)
-    # Not made contiguous here: exchange's fast path checks that itself, and
-    # its general path makes it so (one tensor method less on a cold cache).
+    # Not made contiguous here: exchange makes it so (one tensor method less
+    # on a cold cache).
     return link.exchange(layer_idx, hidden_states, output, routing)
 
 
