@@ -115,7 +115,7 @@ class FakeDeviceConnector(LoopbackConnector):
     # ----------------------------------------------------- attention side
     def send_call(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
                   routing: wire.Routing | None = None) -> None:
-        step = self._current_step(ubatch_id)
+        step = self._current_step(ubatch_id).header
         if routing is not None:
             raise ValueError(f"{self.me}: the fake device exchange carries no routing")
         rows = step.num_tokens[ubatch_id]
@@ -128,7 +128,7 @@ class FakeDeviceConnector(LoopbackConnector):
 
     def recv_call(self, layer_id: int, ubatch_id: int,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-        step = self._current_step(ubatch_id)
+        step = self._current_step(ubatch_id).header
         rows = step.num_tokens[ubatch_id]
         if out is not None:
             self._check_local(out, [rows, self.hidden_size],
@@ -143,7 +143,7 @@ class FakeDeviceConnector(LoopbackConnector):
 
     # ------------------------------------------------------------ FFN side
     def take_call(self, peer: int, layer_id: int, ubatch_id: int) -> torch.Tensor:
-        step = self._peer_steps[peer]
+        step = self._steps[peer].header
         box = self._boxes[peer]
         flag = box.take(box.to_ffn, ubatch_id, self.timeout_s, self.me,
                         f"the hidden states of layer {layer_id} ubatch {ubatch_id}")
@@ -153,7 +153,7 @@ class FakeDeviceConnector(LoopbackConnector):
         return box.hidden[ubatch_id][:rows]  # in place: no copy on the FFN side
 
     def reply_call(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> None:
-        step = self._peer_steps[peer]
+        step = self._steps[peer].header
         box = self._boxes[peer]
         box.output[ubatch_id][:out.shape[0]].copy_(out)
         box.post(box.to_attention, ubatch_id, (step.step_id, layer_id))

@@ -41,7 +41,7 @@ def test_layer_calls_go_through_prepared_calls_on_both_ends():
         prepared_steps(attn, steps, layers)
         calls = len(steps) * layers
         assert attn.fast_calls == 2 * calls
-        capsule, C, _ = attn._prepared[0]
+        capsule, C, _ = attn._steps[0].prepared
         send_ns, wait_ns, sent = C.step_calls_times(capsule)
         assert sent == layers and send_ns > 0 and wait_ns > 0  # the last step's
     finally:

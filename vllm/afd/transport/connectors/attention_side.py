@@ -10,34 +10,30 @@
 Mixed into AFDConnector (base.py), whose message helpers it uses.
 """
 
-from collections import deque
-
 import torch
 
 from vllm.afd.transport import wire
+from vllm.afd.transport.connectors.peer_step import PeerStep
 from vllm.afd.transport.errors import What
 from vllm.afd.transport.wire import StepHeader
 
 
 class AttentionSide:
-    def _init_attention_state(self) -> None:
-        # The current step and (layer, ubatch, shape) in flight, oldest first.
-        self._step: StepHeader | None = None
-        self._in_flight: deque[tuple[int, int, list[int]]] = deque()
-
+    # The step (peer_step.py) is self._steps[0], set by send_step.
     def send_step(self, header: StepHeader) -> None:
         """Announce a step (or, with the SHUTDOWN flag, the end of serving)."""
         self._require("attention")
-        if self._in_flight:
-            layer, ubatch, _ = self._in_flight[0]
-            raise ValueError(f"{self.me}: step {self._step.step_id} still waits for the "
-                             f"output of layer {layer} ubatch {ubatch}")
-        min_step = self._step.step_id + 1 if self._step is not None else 0
+        last = self._steps.get(0)
+        waiting = last.waiting_for() if last is not None else None
+        if waiting is not None:
+            raise ValueError(f"{self.me}: step {last.header.step_id} still waits for the "
+                             f"output of layer {waiting[0]} ubatch {waiting[1]}")
+        min_step = last.header.step_id + 1 if last is not None else 0
         wire.check_step(header, num_ubatches=self.num_ubatches, max_tokens=self.max_tokens,
                         min_step_id=min_step, context=f"{self.me}, send_step")
         self._send_message(0, header, what=What("step {}", header.step_id))
         if not (header.is_shutdown or header.is_goodbye):
-            self._step = header
+            self._steps[0] = PeerStep(header)
 
     def send_hidden(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
                     expect_output: bool = True, routing: wire.Routing | None = None) -> None:
@@ -47,10 +43,11 @@ class AttentionSide:
         weights and ids for these tokens (needs routing_topk > 0)."""
         self._require("attention")
         step = self._current_step(ubatch_id)
-        if any(u == ubatch_id for _, u, _ in self._in_flight):
-            raise ValueError(f"{self.me}: ubatch {ubatch_id} of step {step.step_id} already "
+        header = step.header
+        if any(u == ubatch_id for _, u, _ in step.in_flight):
+            raise ValueError(f"{self.me}: ubatch {ubatch_id} of step {header.step_id} already "
                              f"has hidden states in flight; receive its output first")
-        shape = [step.num_tokens[ubatch_id], self.hidden_size]
+        shape = [header.num_tokens[ubatch_id], self.hidden_size]
         self._check_local(h, shape, What("hidden states of layer {} ubatch {}", layer_id,
                                          ubatch_id))
         topk = 0
@@ -58,7 +55,7 @@ class AttentionSide:
             self._check_routing(routing, shape[0], What("routing of layer {} ubatch {}",
                                                         layer_id, ubatch_id))
             topk = self.routing_topk
-        frame = wire.layer_frame(h, step_id=step.step_id, layer_id=layer_id,
+        frame = wire.layer_frame(h, step_id=header.step_id, layer_id=layer_id,
                                  ubatch_id=ubatch_id, topk=topk,
                                  scale_group=self.send_scale_group)
         # The FFN may overwrite this micro-batch's receive buffer once it has
@@ -66,9 +63,9 @@ class AttentionSide:
         self._release_received(0, ubatch_id)
         payload = self._encode(0, ubatch_id, h, routing)  # codec.py
         self._send_message(0, frame, payload, what=What(
-            "layer {} ubatch {} hidden states of step {}", layer_id, ubatch_id, step.step_id))
+            "layer {} ubatch {} hidden states of step {}", layer_id, ubatch_id, header.step_id))
         if expect_output:
-            self._in_flight.append((layer_id, ubatch_id, shape))
+            step.in_flight.append((layer_id, ubatch_id, shape))
 
     def recv_output(self, layer_id: int, ubatch_id: int,
                     out: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,10 +78,10 @@ class AttentionSide:
         send_hidden on the same ubatch."""
         self._require("attention")
         step = self._current_step(ubatch_id)
-        if not self._in_flight:
+        if not step.in_flight:
             raise ValueError(f"{self.me}: recv_output(layer {layer_id}, ubatch {ubatch_id}) "
                              f"but no hidden states are in flight")
-        next_layer, next_ubatch, shape = self._in_flight[0]
+        next_layer, next_ubatch, shape = step.in_flight[0]
         if (next_layer, next_ubatch) != (layer_id, ubatch_id):
             raise ValueError(f"{self.me}: outputs come back in send order; the next one is "
                              f"layer {next_layer} ubatch {next_ubatch}, not layer {layer_id} "
@@ -92,11 +89,11 @@ class AttentionSide:
         if out is not None:
             self._check_local(out, shape, What("output buffer of layer {} ubatch {}",
                                                layer_id, ubatch_id))
-        what = What("the output of layer {} ubatch {} of step {}", layer_id, ubatch_id,
-                    step.step_id)
-        result, _ = self._recv_tensor(0, what, step_id=step.step_id, layer_id=layer_id,
+        step_id = step.header.step_id
+        what = What("the output of layer {} ubatch {} of step {}", layer_id, ubatch_id, step_id)
+        result, _ = self._recv_tensor(0, what, step_id=step_id, layer_id=layer_id,
                                       ubatch_id=ubatch_id, shape=shape, out=out)
-        self._in_flight.popleft()
+        step.in_flight.popleft()
         return result
 
     # The step channel: a layer call's two halves as the link makes them, one
@@ -116,13 +113,14 @@ class AttentionSide:
         return self.recv_output(layer_id, ubatch_id, out=out)
 
     # ------------------------------------------------------------- internals
-    def _current_step(self, ubatch_id: int) -> StepHeader:
-        step = self._step
+    def _current_step(self, ubatch_id: int) -> PeerStep:
+        step = self._steps.get(0)
         if step is None:
             raise ValueError(f"{self.me}: send_step() first")
-        if not 0 <= ubatch_id < len(step.num_tokens):
-            raise ValueError(f"{self.me}: ubatch {ubatch_id} is not in step {step.step_id} "
-                             f"({len(step.num_tokens)} ubatches)")
+        header = step.header
+        if not 0 <= ubatch_id < len(header.num_tokens):
+            raise ValueError(f"{self.me}: ubatch {ubatch_id} is not in step {header.step_id} "
+                             f"({len(header.num_tokens)} ubatches)")
         return step
 
     def _check_routing(self, routing: wire.Routing, rows: int, what: What) -> None:

@@ -78,6 +78,7 @@ from vllm.afd.transport.connectors.attention_side import AttentionSide
 from vllm.afd.transport.connectors.codec import Packed, PayloadCodec
 from vllm.afd.transport.connectors.ffn_side import FFNSide
 from vllm.afd.transport.connectors.hooks import TransportHooks
+from vllm.afd.transport.connectors.peer_step import PeerStep
 from vllm.afd.transport.device import DeviceOps
 from vllm.afd.transport.errors import (AFDConnectionError, AFDTimeoutError, LinkClosed,
                                        LinkTimeout, WaitCallback, What)
@@ -174,8 +175,8 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
         self._admitting: AFDConnector | None = None  # a session in its handshake (gate)
         self._announced: dict[int, int] = {}  # peer -> payload length of its last message
         self._views: dict[Any, tuple] = {}  # see _typed_view
-        self._init_attention_state()
-        self._init_ffn_state()
+        # peer -> its current step (peer_step.py; the attention side's peer is 0)
+        self._steps: dict[int, PeerStep] = {}
         # The shared secret and the handshake counters (handshake.py).
         self._init_handshake()
 

@@ -70,17 +70,11 @@ StepFrames = tuple
 
 class StepCalls:
     """See the module docstring. Mixed into ShmConnector and TcpConnector
-    ahead of the protocol classes; needs their protocol state (_awaiting,
-    _routings, _in_flight, _failure) and the hooks below."""
+    ahead of the protocol classes; keeps a step's prepared calls in its
+    PeerStep (peer_step.py: prepared, posted), with the protocol's state
+    there, and needs the hooks below."""
 
     def _init_step_calls(self) -> None:
-        # peer -> the step's prepared calls: (capsule, the op module, per
-        # micro-batch a prepared.Ubatch), or None: the general path's step
-        self._prepared: dict[int, tuple | None] = {}
-        self._prepared_send_ns: dict[int, int] = {}  # send time already reported
-        # Attention side: micro-batch -> the layer whose call a C post sent
-        # (recv_call takes its answer the same way).
-        self._posted: dict[int, int] = {}
         self.fast_calls = 0  # message ends taken by C calls (tests, benchmarks)
         # Host tensors on a host connector: no staging, no slot events to settle.
         self._on_host = self.device.type == "cpu"
@@ -116,10 +110,12 @@ class StepCalls:
 
     def _prepare(self, peer: int, step: wire.StepHeader) -> None:
         """Prepare the step's layer calls with peer (see the module docstring)."""
-        self._prepared[peer] = None
-        self._prepared_send_ns.pop(peer, None)
-        if (step.is_goodbye or step.is_shutdown or not self._prepared_enabled()
-                or self._failure is not None or not self._connected):
+        current = self._steps.get(peer)
+        if current is None or current.header is not step:  # a goodbye: no more calls
+            if current is not None:
+                current.prepared = None
+            return
+        if not self._prepared_enabled() or self._failure is not None or not self._connected:
             return
         frames = self._step_frames(peer, step)
         if frames is None:
@@ -131,16 +127,15 @@ class StepCalls:
                                      shm_ring.FAST_WAIT_MS, max(1, int(self.timeout_s * 1000)),
                                      sends, recvs, routed if routed and attention else None,
                                      routed if routed and not attention else None)
-        self._prepared[peer] = (calls, C, ubatches)
+        current.prepared = (calls, C, ubatches)
 
     def _prepared_send_s(self, peer: int) -> float:
         """Time the prepared calls spent sending since the last time asked."""
-        prepared = self._prepared.get(peer)
-        if prepared is None:
+        step = self._steps.get(peer)
+        if step is None or step.prepared is None:
             return 0.0
-        send_ns = prepared[1].step_calls_times(prepared[0])[0]
-        before = self._prepared_send_ns.get(peer, 0)
-        self._prepared_send_ns[peer] = send_ns
+        send_ns = step.prepared[1].step_calls_times(step.prepared[0])[0]
+        before, step.reported_send_ns = step.reported_send_ns, send_ns
         return (send_ns - before) * 1e-9
 
     def _not_sent(self, peer: int, status: int, layer_id: int, u: int, what: str) -> bool:
@@ -178,10 +173,6 @@ class StepCalls:
 
     # ------------------------------------------------------- attention side
     def send_step(self, header: wire.StepHeader) -> None:
-        if self._posted:
-            u, layer = next(iter(self._posted.items()))
-            raise ValueError(f"{self.me}: step {self._step.step_id} still waits for the "
-                             f"output of layer {layer} ubatch {u}")
         super().send_step(header)
         if self.is_attention:
             self._prepare(0, header)
@@ -192,8 +183,9 @@ class StepCalls:
     # C calls do not take goes to the general path (send_hidden, recv_output).
     def send_call(self, layer_id: int, ubatch_id: int, h: torch.Tensor,
                   routing: wire.Routing | None = None) -> None:
-        prepared = self._prepared.get(0)
-        if prepared is None or self._in_flight or self._failure is not None:
+        step = self._steps.get(0)
+        if (step is None or (prepared := step.prepared) is None or step.in_flight
+                or self._failure is not None):
             return self.send_hidden(layer_id, ubatch_id, h, routing=routing)
         calls, C, ubatches = prepared
         ub = ubatches[ubatch_id]
@@ -210,7 +202,7 @@ class StepCalls:
             if self._on_host or not self._post_packed(0, layer_id, ubatch_id, h, ub, routing,
                                                       calls, C):
                 return self.send_hidden(layer_id, ubatch_id, h, routing=routing)
-            self._posted[ubatch_id] = layer_id
+            step.posted[ubatch_id] = layer_id
             return
         else:
             src = self._staged_source(0, ubatch_id, h)
@@ -230,13 +222,14 @@ class StepCalls:
             return self.send_hidden(layer_id, ubatch_id, h, routing=routing)
         self.bytes_sent += sent
         self.fast_calls += 1
-        self._posted[ubatch_id] = layer_id
+        step.posted[ubatch_id] = layer_id
 
     def recv_call(self, layer_id: int, ubatch_id: int,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-        if self._posted.pop(ubatch_id, None) != layer_id:  # sent the general way
+        step = self._steps.get(0)
+        if step is None or step.posted.pop(ubatch_id, None) != layer_id:  # the general way
             return self.recv_output(layer_id, ubatch_id, out=out)
-        calls, C, ubatches = self._prepared[0]
+        calls, C, ubatches = step.prepared
         ub = ubatches[ubatch_id]
         # What the copy into `out` needs (as send_call's checks, made here
         # while the FFN computes); fp8 is unpacked into host memory by the C
@@ -267,7 +260,7 @@ class StepCalls:
                 self._broken(0, status, What("the output of layer {} ubatch {}", layer_id,
                                              ubatch_id), "payload")
         # The general receive takes over (recv_output: its wait, its errors).
-        self._in_flight.append((layer_id, ubatch_id, ub.shape))
+        step.in_flight.append((layer_id, ubatch_id, ub.shape))
         return self.recv_output(layer_id, ubatch_id, out=out)
 
     # ------------------------------------------------------------- FFN side
@@ -281,8 +274,8 @@ class StepCalls:
     # the hidden states' arrival and the mlp, and between the mlp and the
     # attention side, every line counts.
     def take_call(self, peer: int, layer_id: int, ubatch_id: int) -> "torch.Tensor | Packed":
-        prepared = self._prepared.get(peer)
-        if prepared is None or self._failure is not None:
+        step = self._steps.get(peer)
+        if step is None or (prepared := step.prepared) is None or self._failure is not None:
             return self.recv_hidden(peer, layer_id, ubatch_id, defer=True)
         calls, C, ubatches = prepared
         ub = ubatches[ubatch_id]
@@ -291,9 +284,9 @@ class StepCalls:
         # The receive's bookkeeping as if it will succeed (undone below when it
         # does not): after the receive, only the return stands between it and
         # the next mlp.
-        key = (peer, ubatch_id)
-        self._awaiting[key] = (layer_id, ub.shape)
-        self._routings[key] = None
+        awaiting, routings = step.awaiting, step.routings
+        awaiting[ubatch_id] = (layer_id, ub.shape)
+        routings[ubatch_id] = None
         self.bytes_received += ub.received
         self.fast_calls += 1
         status = C.step_calls_take(calls, ubatch_id, layer_id, target)
@@ -301,20 +294,20 @@ class StepCalls:
             return view  # the common case first: the next mlp waits on this path
         if status > 0:
             if status == 2:  # the routed frame: its routing stays in the payload
-                self._routings[key] = ub.routing
+                routings[ubatch_id] = ub.routing
                 self.bytes_received += ub.routed - ub.received
             unstage = ub.unstage
             if unstage is not None and unstage[status - 1] is not None:
                 # A device's fp8 or routed frame: decoded there (the routing
                 # viewed in the device's copy of the payload).
-                h, self._routings[key] = self._decode_staged(
+                h, routings[ubatch_id] = self._decode_staged(
                     self._staged_slots(peer), peer, ubatch_id, unstage[status - 1])
                 return h
             # On a device: copied from the slot on this side's stream.
             return view if view is not None else self._staged_slots(peer).read(
                 ubatch_id, self.dtype, ub.shape)
-        del self._awaiting[key]
-        del self._routings[key]
+        del awaiting[ubatch_id]
+        del routings[ubatch_id]
         self.bytes_received -= ub.received
         self.fast_calls -= 1
         if status < 0:
@@ -324,11 +317,10 @@ class StepCalls:
         return self.recv_hidden(peer, layer_id, ubatch_id, defer=True)
 
     def reply_call(self, peer: int, layer_id: int, ubatch_id: int, out: torch.Tensor) -> None:
-        prepared = self._prepared.get(peer)
-        awaiting, key = self._awaiting, (peer, ubatch_id)
-        awaited = awaiting.get(key)
-        if (prepared is None or awaited is None or awaited[0] != layer_id
-                or self._failure is not None):
+        step = self._steps.get(peer)
+        prepared = None if step is None else step.prepared
+        awaited = None if prepared is None else step.awaiting.get(ubatch_id)
+        if awaited is None or awaited[0] != layer_id or self._failure is not None:
             return super().reply_call(peer, layer_id, ubatch_id, out)
         calls, C, ubatches = prepared
         ub = ubatches[ubatch_id]
@@ -351,8 +343,8 @@ class StepCalls:
         # Sent: the bookkeeping now, while the attention side computes.
         self.bytes_sent += ub.sent
         self.fast_calls += 1
-        del awaiting[key]
-        self._routings.pop(key, None)
+        del step.awaiting[ubatch_id]
+        step.routings.pop(ubatch_id, None)
 
     def take_reply_send_s(self, peer: int) -> float:
         return self._prepared_send_s(peer) + super().take_reply_send_s(peer)
