@@ -103,8 +103,8 @@ MUTATIONS = [
         "ffn-secret-not-demanded",
         "an FFN server with a secret refuses a peer without one",
         "installed", "vllm/afd/transport/handshake.py",
-        (Edit("        if self._secret is not None:\n            self._authenticate(",
-              "        if self._secret is not None and hello.auth_nonce:\n"
+        (Edit("        if self.secret is not None:\n            self._authenticate(",
+              "        if self.secret is not None and hello.auth_nonce:\n"
               "            self._authenticate("),),
         ("tests/afd/transport/test_handshake.py::test_unauthenticated_peer_is_dropped_then_a_good_"
          "peer_served",)),

@@ -412,9 +412,9 @@ def test_handshake_refuses_mismatched_peer(kind):
         assert "fingerprint['model']: expected 'a', received 'b'" in str(e.value)
         assert "extra" not in str(e.value) and "layers" not in str(e.value)
         assert waiter.is_alive()  # still accepting
-        assert ffn.handshake_failures == 1 and ffn.auth_failures == 0
-        assert ffn.last_refusal.startswith("attention rank 0")
-        assert ffn.last_refusal.endswith("hidden_size: expected 64, received 128; "
+        assert ffn.handshake.failures == 1 and ffn.handshake.auth_failures == 0
+        assert ffn.handshake.last_refusal.startswith("attention rank 0")
+        assert ffn.handshake.last_refusal.endswith("hidden_size: expected 64, received 128; "
                                          "fingerprint['model']: expected 'a', received 'b'")
         serve_one_layer(waiter, ffn, good)
     finally:
@@ -604,7 +604,7 @@ def test_routing_on_a_device_without_pack_kernels(kind, monkeypatch):
 
     monkeypatch.setattr(codec, "PACK_DEVICE_KINDS", ("cuda",))
     attn, ffn = connect_pair(kind, dtype=torch.bfloat16, hidden_size=63, routing_topk=TOPK)
-    assert not attn._packs
+    assert not attn.codec.packs
     server = Background(ffn_serve, ffn, 1)
     try:
         attn.send_step(StepHeader(step_id=0, num_tokens=[5]))
@@ -644,7 +644,7 @@ def test_handshake_refuses_transfer_dtype_mismatch(attention, ffn_side, field):
     try:
         with pytest.raises(ProtocolError, match=field):
             attn.connect()
-        assert field.split(":")[0] in ffn.last_refusal
+        assert field.split(":")[0] in ffn.handshake.last_refusal
         ffn.close()
         with pytest.raises(AFDConnectionError, match="was closed while it waited"):
             waiter.join_result()
@@ -664,7 +664,7 @@ def test_handshake_refuses_routing_mismatch(kind):
     try:
         with pytest.raises(ProtocolError, match="routing_topk: expected 2, received 0"):
             attn.connect()
-        assert "routing_topk" in ffn.last_refusal
+        assert "routing_topk" in ffn.handshake.last_refusal
         ffn.close()  # interrupts its accept loop
         with pytest.raises(AFDConnectionError, match="was closed while it waited"):
             waiter.join_result()
@@ -704,7 +704,7 @@ def test_routed_payload_of_the_wrong_length_is_refused():
     try:
         with pytest.raises(ProtocolError, match=r"payload length from attention rank 0: "
                                                 r"expected 1120, received 1121"):
-            conn._decode(0, frame, torch.float32, torch.zeros(1121, dtype=torch.uint8), None)
+            conn.codec.decode(0, frame, torch.float32, torch.zeros(1121, dtype=torch.uint8), None)
     finally:
         conn.close()
 
@@ -831,7 +831,7 @@ def test_shm_creator_unlinks_when_peer_never_attached():
         except OSError:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-    peer.sendall(raw_frame(attn._hello()))
+    peer.sendall(raw_frame(attn.handshake.hello()))
     assert read_message(peer).accepted
     peer.sendall(raw_frame(wire.HelloConfirm(accepted=True)))
     waiter.join_result()
@@ -934,10 +934,10 @@ def test_a_registered_connector_carries_its_own_handshake_data():
         with pytest.raises(ProtocolError, match="key 6, expected 10"):
             attn.connect()
         deadline = time.monotonic() + 5
-        while "refused our HelloAck" not in (ffn.last_refusal or ""):
+        while "refused our HelloAck" not in (ffn.handshake.last_refusal or ""):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert "key 6, expected 10" in ffn.last_refusal
+        assert "key 6, expected 10" in ffn.handshake.last_refusal
         attn.close()
         ffn.close()
         with pytest.raises(ValueError, match=r"unknown key\(s\) \['nope'\] for connector "

@@ -262,7 +262,7 @@ def test_connectors_take_their_device_from_the_caller():
     the only call of current_device() in the data plane is where a caller
     captures its own context (DeviceContext.current)."""
     conn = make("tcp", "attention", free_port(), device="meta")
-    assert conn.device == torch.device("meta") and conn._hello().device_kind == "meta"
+    assert conn.device == torch.device("meta") and conn.handshake.hello().device_kind == "meta"
     with pytest.raises(ValueError, match="needs a communicator_factory"):
         make("nccl", "attention", free_port(), communicator_factory=None)
     with pytest.raises(ValueError, match=r"needs a device of type \('cpu',\)"):
@@ -372,7 +372,7 @@ def test_peers_on_other_device_kinds(kind, accepted):
         else:
             with pytest.raises(Exception, match="device_kind: expected 'cpu', received 'meta'"):
                 attn.connect()
-            assert "device_kind" in (ffn.last_refusal or "")
+            assert "device_kind" in (ffn.handshake.last_refusal or "")
     finally:
         attn.close()
         ffn.close()
@@ -414,7 +414,7 @@ def test_nccl_init_waits_for_the_attention_sides_confirm():
             attn.connect()
         time.sleep(0.2)
         assert factory.created == []  # nobody entered NCCL init
-        assert "refused our HelloAck" in (ffn.last_refusal or "") and waiter.is_alive()
+        assert "refused our HelloAck" in (ffn.handshake.last_refusal or "") and waiter.is_alive()
     finally:
         attn.close()
         ffn.close()
@@ -434,7 +434,7 @@ def test_nccl_init_has_a_deadline_and_close_never_blocks():
         assert time.monotonic() - t0 < 5
         # The FFN's own init timed out too: it dropped that peer (counted) and
         # its accept ended at its own deadline, not stuck in init.
-        while ffn.handshake_failures == 0:
+        while ffn.handshake.failures == 0:
             assert time.monotonic() - t0 < 10
             time.sleep(0.05)
         waiter.join(5)

@@ -36,7 +36,7 @@ def raw_header(header: bytes, announced: int = 0) -> bytes:
 def hello(**changes) -> bytes:
     """A Hello as the attention connector would send it, as a raw msgpack map
     (so changes may break what the Struct would enforce)."""
-    template = make("tcp", "attention", 1)._hello()
+    template = make("tcp", "attention", 1).handshake.hello()
     fields = {"kind": "hello", **msgspec.structs.asdict(template), **changes}
     return raw_header(msgspec.msgpack.encode(fields))
 
@@ -67,7 +67,7 @@ HANDSHAKE_CASES = {  # id: (bytes the peer sends, then hangs up; the FFN's reaso
     "unknown-kind": (raw_header(msgspec.msgpack.encode({"kind": "rdma!"})),
                      "Invalid value 'rdma!' - at `$.kind`"),
     "not-a-hello": (step(), "expected Hello, received StepHeader"),
-    "hello-with-payload": (raw_frame(make("tcp", "attention", 1)._hello(), announced=1 << 40),
+    "hello-with-payload": (raw_frame(make("tcp", "attention", 1).handshake.hello(), announced=1 << 40),
                            "announced a payload of 1099511627776 bytes; only LayerFrames "
                            "carry one"),
     "negative-rank": (hello(rank=-1), "Expected `int` >= 0 - at `$.rank`"),
@@ -106,7 +106,7 @@ def test_bad_handshake_drops_the_peer_not_the_server(case, monkeypatch):
                 assert sock.recv(1 << 16) == b""  # dropped without an answer
             except ConnectionResetError:
                 pass  # dropped with unread bytes left: the kernel resets
-        assert ffn.handshake_failures == 1 and waiter.is_alive()
+        assert ffn.handshake.failures == 1 and waiter.is_alive()
         serve_one_layer(waiter, ffn, good)
     finally:
         log.removeHandler(handler)
@@ -164,7 +164,7 @@ def test_bad_frame_fails_the_session_then_a_new_one_serves(case):
     ffn = make("tcp", "ffn", port)
     waiter = Background(ffn.connect)
     with dial(port) as sock:
-        sock.sendall(raw_frame(make("tcp", "attention", port)._hello()))
+        sock.sendall(raw_frame(make("tcp", "attention", port).handshake.hello()))
         assert read_message(sock).accepted
         sock.sendall(raw_frame(wire.HelloConfirm(accepted=True)))
         waiter.join_result()
@@ -205,7 +205,7 @@ def test_bad_frame_fails_the_session_then_a_new_one_serves(case):
 # ------------------------------------------------------------ random mutations
 def _valid_frames() -> list[bytes]:
     return [
-        wire.encode(make("tcp", "attention", 1, fingerprint={"weights": "ab" * 16})._hello(
+        wire.encode(make("tcp", "attention", 1, fingerprint={"weights": "ab" * 16}).handshake.hello(
             bytes(32))),
         wire.encode(StepHeader(step_id=3, num_tokens=[TOKENS, 0])),
         wire.encode(LayerFrame(step_id=3, layer_id=2, ubatch_id=1, dtype="float32",
@@ -312,7 +312,7 @@ def test_bad_frame_tensors_are_never_allocated_from_the_header(monkeypatch):
     ffn = make("tcp", "ffn", port)
     waiter = Background(ffn.connect)
     with dial(port) as sock:
-        sock.sendall(raw_frame(make("tcp", "attention", port)._hello()))
+        sock.sendall(raw_frame(make("tcp", "attention", port).handshake.hello()))
         assert read_message(sock).accepted
         sock.sendall(raw_frame(wire.HelloConfirm(accepted=True)))
         waiter.join_result()
@@ -377,17 +377,17 @@ def test_mutated_handshakes_into_a_listening_ffn(kind, monkeypatch):
     rng = random.Random(5 if kind == "tcp" else 11)
     port = free_port()
     ffn = make(kind, "ffn", port, timeout_s=30)
-    template = make(kind, "attention", port)._hello()
+    template = make(kind, "attention", port).handshake.hello()
     cases = mutations(template, rng, 40)
     waiter = Background(ffn.connect)
     dropped = accepted = 0
     try:
         for data in cases:
-            before = ffn.handshake_failures
+            before = ffn.handshake.failures
             with dial_kind(kind, port) as sock:
                 t0 = time.monotonic()
                 sock.sendall(data)  # and the socket stays open
-                while ffn.handshake_failures == before and not ffn._connected:
+                while ffn.handshake.failures == before and not ffn._connected:
                     assert time.monotonic() - t0 < FUZZ_BOUND_S, (data[:80], "hangs")
                     time.sleep(0.005)
                 if ffn._connected:  # a harmless mutation: a peer that got in
@@ -446,7 +446,7 @@ def _connected_ffn(kind: str, port: int):
     ffn = make(kind, "ffn", port, timeout_s=FUZZ_TIMEOUT_S * 4)
     waiter = Background(ffn.connect)
     sock = dial_kind(kind, port)
-    sock.sendall(raw_frame(make(kind, "attention", port)._hello()))
+    sock.sendall(raw_frame(make(kind, "attention", port).handshake.hello()))
     ack = read_message(sock)
     assert ack.accepted
     sock.sendall(raw_frame(wire.HelloConfirm(accepted=True)))
@@ -546,7 +546,7 @@ def test_mutated_replies_into_a_connected_attention_side(kind):
                     ack = wire.HelloAck(accepted=True, rank=0, group=[0], transport=(
                         msgspec.msgpack.encode(ShmHandshake(
                             segments=[f"vllm-afd-{port}-0-a2f-0000", f"vllm-afd-{port}-0-f2a-0000"],
-                            slot_bytes=attn.max_bytes, ring_entries=shm_ring.RING_ENTRIES,
+                            slot_bytes=attn.codec.max_bytes, ring_entries=shm_ring.RING_ENTRIES,
                             ring_entry_bytes=shm_ring.ENTRY_BYTES))))
                 replies = mutations(ack, rng, 1)
             connecting = Background(attn.connect)

@@ -178,7 +178,7 @@ def test_mismatched_item_is_named_and_both_sides_fail_fast(deepseek, item):
             with pytest.raises(ProtocolError) as e:
                 attn.connect()
             attention_failed = time.monotonic() - start
-            ffn_failed = attention_failed + wait_until(lambda: ffn.refusals)
+            ffn_failed = attention_failed + wait_until(lambda: ffn.handshake.refusals)
             expected = f"fingerprint[{item!r}]: expected {fp[item]!r}, received " \
                        f"{fp[item] + '-other'!r}"
             assert str(e.value).endswith(f"refused AFD attention rank 0: {expected}")
@@ -220,7 +220,7 @@ def test_different_checkpoints_are_refused_then_the_right_one_served(deepseek, m
         assert str(e.value).endswith(f"fingerprint['weights']: expected {fp['weights']!r}, "
                                      f"received {other_weights['weights']!r}")
         serve_one_layer(waiter, ffn, peers[2])
-        assert ffn.handshake_failures == 2 and len(ffn.refusals) == 2
+        assert ffn.handshake.failures == 2 and len(ffn.handshake.refusals) == 2
     finally:
         for c in (*peers, ffn):
             c.close()
@@ -245,9 +245,9 @@ def test_refusals_are_bounded():
             with pytest.raises(ProtocolError):
                 bad.connect()
             bad.close()
-        assert ffn.handshake_failures == REFUSALS_KEPT + 3
-        assert len(ffn.refusals) == REFUSALS_KEPT
-        assert ffn.last_refusal.endswith(f"received 'b{REFUSALS_KEPT + 2}'")
+        assert ffn.handshake.failures == REFUSALS_KEPT + 3
+        assert len(ffn.handshake.refusals) == REFUSALS_KEPT
+        assert ffn.handshake.last_refusal.endswith(f"received 'b{REFUSALS_KEPT + 2}'")
     finally:
         ffn.close()
     with pytest.raises(AFDConnectionError, match="was closed"):
@@ -264,9 +264,9 @@ def test_same_secret_connects(kind, tmp_path):
     ffn = connector("ffn", port, kind=kind, token=TOKEN, tmp_path=tmp_path)
     attn = connector("attention", port, kind=kind, token=TOKEN, tmp_path=tmp_path)
     try:
-        assert ffn.has_secret and attn.has_secret
+        assert ffn.handshake.has_secret and attn.handshake.has_secret
         serve_one_layer(Background(ffn.connect), ffn, attn)
-        assert ffn.auth_failures == attn.auth_failures == ffn.handshake_failures == 0
+        assert ffn.handshake.auth_failures == attn.handshake.auth_failures == ffn.handshake.failures == 0
     finally:
         attn.close()
         ffn.close()
@@ -277,13 +277,13 @@ def test_secret_from_the_environment(monkeypatch):
     port = free_port()
     ffn, attn = connector("ffn", port), connector("attention", port)
     try:
-        assert ffn.has_secret and attn.has_secret
+        assert ffn.handshake.has_secret and attn.handshake.has_secret
         serve_one_layer(Background(ffn.connect), ffn, attn)
     finally:
         attn.close()
         ffn.close()
     # The in-process loopback pair has nothing to prove.
-    assert not connector("ffn", port, kind="loopback").has_secret
+    assert not connector("ffn", port, kind="loopback").handshake.has_secret
 
 
 @pytest.mark.parametrize("ffn_token, attention_token, needle, ffn_log", [
@@ -316,11 +316,11 @@ def test_unauthenticated_peer_is_dropped_then_a_good_peer_served(
             with pytest.raises(ProtocolError) as e:
                 bad.connect()
             assert str(e.value) == needle.format(port=port)
-            wait_until(lambda: ffn.auth_failures == 1)
+            wait_until(lambda: ffn.handshake.auth_failures == 1)
             assert time.monotonic() - start < 10
-            assert bad.auth_failures == (1 if ffn_token and attention_token else 0)
+            assert bad.handshake.auth_failures == (1 if ffn_token and attention_token else 0)
             serve_one_layer(waiter, ffn, good)
-            assert ffn.auth_failures == ffn.handshake_failures == 1
+            assert ffn.handshake.auth_failures == ffn.handshake.failures == 1
         finally:
             bad.close()
             good.close()
@@ -391,7 +391,7 @@ def test_forged_proofs_are_refused(tmp_path, forgery):
     waiter = Background(ffn.connect)
     with dial(port) as sock:
         nonce = auth.new_nonce()
-        hello = template._hello(nonce)
+        hello = template.handshake.hello(nonce)
         sock.sendall(raw_frame(hello))
         challenge = read_message(sock)
         assert isinstance(challenge, AuthChallenge)
@@ -400,7 +400,7 @@ def test_forged_proofs_are_refused(tmp_path, forgery):
             "none": auth.proof(secret, "attention", nonce, challenge.nonce, hello),
             "replayed": auth.proof(secret, "attention", nonce, auth.new_nonce(), hello),
             "other-hello": auth.proof(secret, "attention", nonce, challenge.nonce,
-                                      template._hello(auth.new_nonce())),
+                                      template.handshake.hello(auth.new_nonce())),
             "reflected": challenge.proof,
         }[forgery]
         sock.sendall(raw_frame(AuthProof(proof=proof)))
@@ -410,9 +410,9 @@ def test_forged_proofs_are_refused(tmp_path, forgery):
             if forgery == "none":
                 sock.sendall(raw_frame(wire.HelloConfirm(accepted=True)))
                 waiter.join_result()
-                assert ack.accepted and ffn.auth_failures == 0
+                assert ack.accepted and ffn.handshake.auth_failures == 0
             else:
-                assert not ack.accepted and ffn.auth_failures == 1
+                assert not ack.accepted and ffn.handshake.auth_failures == 1
                 assert ack.reason == ("authentication failed: the attention server's proof "
                                       f"does not match this FFN server's secret; {FIX}")
         finally:
@@ -456,7 +456,7 @@ def test_attention_refuses_an_ffn_that_does_not_prove_the_secret(tmp_path, rogue
                        f"reply (HelloAck): expected HelloAck or AuthChallenge, received "
                        f"StepHeader",
     }[rogue]
-    assert attn.auth_failures == (0 if rogue == "not-a-reply" else 1)
+    assert attn.handshake.auth_failures == (0 if rogue == "not-a-reply" else 1)
 
 
 def test_listening_beyond_loopback(tmp_path, monkeypatch):
@@ -506,7 +506,7 @@ def test_load_secret(tmp_path, monkeypatch):
     monkeypatch.delenv(auth.TOKEN_ENV)
     assert auth.load_secret(str(tmp_path / "token")) == TOKEN.encode()
     # Proofs: deterministic, and distinct per role, nonce and Hello.
-    hello = connector("attention", 1)._hello(bytes(32))
+    hello = connector("attention", 1).handshake.hello(bytes(32))
     base = auth.proof(b"k", "ffn", bytes(32), bytes(32), hello)
     assert base == auth.proof(b"k", "ffn", bytes(32), bytes(32), hello)
     assert len({base, auth.proof(b"k", "attention", bytes(32), bytes(32), hello),
@@ -526,9 +526,9 @@ def test_ack_contents_from_the_ffn_are_checked():
     attn = connector("attention", 7700)
     with pytest.raises(ProtocolError, match=r"HelloAck.group from tcp://127.0.0.1:7700: "
                        r"expected distinct FFN ranks in 0-0, received \[0, 7\]"):
-        attn._check_ack(HelloAck(accepted=True, rank=0, group=[0, 7]))
+        attn.handshake._check_ack(HelloAck(accepted=True, rank=0, group=[0, 7]))
     shm = connector("attention", 7700, kind="shm")
-    slot = shm.max_bytes
+    slot = shm.codec.max_bytes
     for names in (["/etc/passwd", "vllm-afd-7700-0-f2a-1a2b"],
                   ["vllm-afd-7700-0-a2f-../../x", "vllm-afd-7700-0-f2a-1a2b"],
                   ["vllm-afd-7700-0-f2a-1a2b", "vllm-afd-7700-0-a2f-1a2b"],

@@ -13,6 +13,8 @@ measured by `make bench-link` (`--transfer-dtype`)."""
 import sys
 import time
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -106,8 +108,8 @@ def run(connector: str, transfer, prepared: bool, topk: int = 0, staged: bool = 
     topk > 0: the ROUTED layers' calls carry routing. (attention, ffn, what
     the FFN's receives gave)."""
     ffn, attn = packed_pair(connector, transfer, topk=topk, staged=staged)
-    to_ffn = attn.send_scale_group > 0
-    back = attn.receive_scale_group > 0
+    to_ffn = attn.codec.send_scale_group > 0
+    back = attn.codec.receive_scale_group > 0
     kinds: list = []
     server = Background(serve, ffn, kinds)
     g = torch.Generator().manual_seed(7)
@@ -161,17 +163,17 @@ def test_fp8_layer_calls_take_prepared_calls_with_the_general_paths_values(conne
     assert prepared_count(general) == 0
     # The same frames; only their headers' integers differ in width: fixed in
     # the templates (patched per call), minimal in the general path's.
-    wider = sum(len(frame_template(DTYPE, rows, HIDDEN, attn.send_scale_group)[0])
+    wider = sum(len(frame_template(DTYPE, rows, HIDDEN, attn.codec.send_scale_group)[0])
                 - len(wire.encode(wire.layer_frame(
                     torch.empty(rows, HIDDEN, dtype=DTYPE, device="meta"), step_id=i + 1,
-                    layer_id=layer, ubatch_id=0, scale_group=attn.send_scale_group)))
+                    layer_id=layer, ubatch_id=0, scale_group=attn.codec.send_scale_group)))
                 for i, rows in enumerate(STEPS) for layer in range(LAYERS))
     assert wider > 0
     assert attn.bytes_sent - general.bytes_sent == wider
     assert ffn.bytes_received - general_ffn.bytes_received == wider
     assert attn.bytes_received == general.bytes_received  # the FFN's replies: prepared
     assert ffn.bytes_sent == general_ffn.bytes_sent
-    if attn.send_scale_group:  # the general path's frames are left for the general receive
+    if attn.codec.send_scale_group:  # the general path's frames are left for the general receive
         assert set(general_kinds) == {("Packed", False)}
 
 
@@ -196,7 +198,7 @@ def test_a_prepared_fp8_payload_is_the_pack_ops_bytes(connector):
                 torch.ops.afd.pack(h, None, None, GROUP, expected)
                 assert (rows * hidden) % 8 and not expected[rows * hidden].item()  # padding
                 sent = (attn._tx[0].slot(0) if connector == "shm" else
-                        attn._pack_target(0, 0, nbytes, torch.device("cpu")))[:nbytes]
+                        attn.codec.pack_target(0, 0, nbytes, torch.device("cpu")))[:nbytes]
                 sent.fill_(0xAB)  # what an earlier payload may have left there
                 out = torch.empty_like(h)
                 calls = attn.fast_calls
@@ -215,7 +217,7 @@ def test_packed_frames_of_device_tensors_where_the_op_library_packs():
     that device (the op library's kernels), not in the prepared calls' C
     (host memory only): both connectors prepare such frames raw and pack on
     the device around the staging; on a device the library cannot pack on
-    (_packs False) they keep the general path (exact frames without routing
+    (codec.packs False) they keep the general path (exact frames without routing
     keep their staged prepared calls). Checked on the CPU through the
     predicate the prepared calls ask."""
     from vllm.afd.transport.connectors.step_calls import StepCalls
@@ -228,8 +230,9 @@ def test_packed_frames_of_device_tensors_where_the_op_library_packs():
                                        (0, 0, TOPK, False), (0, 0, 0, True)):
         for packs in (True, False):
             fake = Fake()
-            fake.send_scale_group, fake.receive_scale_group = send, receive
-            fake.routing_topk, fake._packs = topk, packs
+            fake.codec = SimpleNamespace(send_scale_group=send, receive_scale_group=receive,
+                                         packs=packs)
+            fake.routing_topk = topk
             assert StepCalls._prepared_enabled(fake) is (exact or packs)
             fake.device, fake._on_host = torch.device("cpu"), True
             assert StepCalls._prepared_enabled(fake)
@@ -273,7 +276,7 @@ def test_routed_layer_calls_take_prepared_calls(connector, transfer):
     assert kinds == [("Tensor", layer in ROUTED) for _ in STEPS for layer in range(LAYERS)]
     general, general_ffn, general_kinds = run(connector, transfer, prepared=False, topk=TOPK)
     assert [routed for _, routed in general_kinds] == [routed for _, routed in kinds]
-    group = attn.send_scale_group
+    group = attn.codec.send_scale_group
     wider = sum(len(frame_template(DTYPE, rows, HIDDEN, group, TOPK if layer in ROUTED else 0)[0])
                 - len(wire.encode(wire.layer_frame(
                     torch.empty(rows, HIDDEN, dtype=DTYPE, device="meta"), step_id=i + 1,
@@ -308,21 +311,21 @@ def test_a_host_connectors_packed_frames_leave_device_tensors_to_the_general_pat
 
 def test_a_device_ffn_decodes_plain_and_routed_frames_from_views_built_once(monkeypatch):
     """A device FFN decodes each routed or fp8 frame from views of its copy of
-    the payload (codec._decode_views: layout, slices, routing views), cached
+    the payload (codec._views: layout, slices, routing views), cached
     per peer and micro-batch; a step alternates plain and routed frames on
     one micro-batch (dense and MoE layers), which must not rebuild them at
     each switch: steps of one shape build them once per frame kind."""
     from vllm.afd.transport.connectors.codec import PayloadCodec
 
     built = []
-    original = PayloadCodec._decode_views
+    original = PayloadCodec._views
 
     def counted(self, peer, frame, dtype, raw):
-        if not self.is_attention:
+        if self._peer_name(peer).startswith("attention rank"):  # the FFN side
             built.append(frame.topk)
         return original(self, peer, frame, dtype, raw)
 
-    monkeypatch.setattr(PayloadCodec, "_decode_views", counted)
+    monkeypatch.setattr(PayloadCodec, "_views", counted)
     monkeypatch.setattr(sys.modules[__name__], "STEPS", [4, 4, 4])
     attn, ffn, kinds = run("shm", TRANSFERS["fp8-to-ffn"], prepared=True, topk=TOPK,
                            staged=True)

@@ -58,7 +58,7 @@ def test_layer_calls_go_through_prepared_calls_on_both_ends():
     assert ffn.bytes_sent >= payload + header  # and the goodbye's, the step headers'
     # Exact frames need no pack buffer (max_bytes each) on either end, and the
     # attention side receives straight into its `out`: no receive buffer.
-    assert not attn._pack_buffers and not ffn._pack_buffers and not attn._rx_buffers
+    assert not attn.codec._pack_buffers and not ffn.codec._pack_buffers and not attn._rx_buffers
     ffn.close()
 
 

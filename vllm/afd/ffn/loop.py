@@ -183,7 +183,7 @@ class FFNLoop:
                 "layers": list(self.layers), "link": self.document()}
 
     def _last_refusal(self) -> str | None:
-        return self.listener.last_refusal if self.listener is not None else None
+        return self.listener.handshake.last_refusal if self.listener is not None else None
 
     def document(self) -> dict:
         """State and counters of this FFN rank's link, for /metrics."""
@@ -193,8 +193,8 @@ class FFNLoop:
             for conn in self._sessions.values():
                 sent, received = sent + conn.bytes_sent, received + conn.bytes_received
         # The listener counts the refusals of every session's handshake.
-        auth = listener.auth_failures if listener is not None else 0
-        handshake = listener.handshake_failures if listener is not None else 0
+        auth = listener.handshake.auth_failures if listener is not None else 0
+        handshake = listener.handshake.failures if listener is not None else 0
         stats = self.stats()
         return {"role": "ffn", "rank": self.placement.rank,
                 "peer": ",".join(f"attention rank {p}" for p in self.serving) or "-",

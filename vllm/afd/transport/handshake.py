@@ -4,8 +4,12 @@
 with a challenge-response in between when the FFN has a secret (auth.py), and a
 HelloConfirm from the attention side once its own checks of the ack passed.
 
-Mixed into AFDConnector (connectors/base.py); it relies on the connector's
-message helpers (_send_message, _recv_checked, _waiter) and its fields.
+A Handshake is an object each connector holds (AFDConnector.handshake): it
+keeps the secret and the counters, and talks through the connector it was
+given: its identity (role, rank, sizes, fingerprint, device), its message
+helpers (_send_message, _recv_checked, _waiter), its links (_streams) and the
+transport's handshake hooks (_hello_transport, _ack_transport, _on_ack,
+_on_confirmed, _on_refused; connectors/hooks.py).
 
 The FFN side never lets a bad peer take it down: a stray client, a peer that
 fails authentication and a peer with a mismatched configuration are each told
@@ -18,7 +22,7 @@ unauthenticated peer learns nothing about the model being served.
 import logging
 from collections import deque
 from collections.abc import Collection
-from typing import Any, ClassVar
+from typing import Any
 
 from vllm.afd.transport import auth, wire
 from vllm.afd.transport.errors import AFDConnectionError
@@ -37,18 +41,17 @@ class _Dropped(Exception):
     and counted)."""
 
 
-class HandshakeMixin:
-    # Transports whose peers live in other processes set this: they prove the
-    # shared secret, when one is set (in-process loopback has nothing to prove).
-    authenticates: ClassVar[bool] = False
-
-    def _init_handshake(self) -> None:
-        """Called by AFDConnector.__init__: the secret and the handshake counters."""
-        self._secret = (auth.load_secret(self.afd_config.token_file)
-                        if self.authenticates else None)
+class Handshake:
+    def __init__(self, conn: Any, secret: bytes | None) -> None:
+        """conn: the connector this handshake is for (see the module
+        docstring); secret: the shared secret its peers prove (auth.py), None
+        when there is none or the transport has nothing to prove (in-process
+        loopback)."""
+        self.conn = conn
+        self.secret = secret
         # FFN side: connections dropped or refused during the handshake (stray
         # clients, authentication failures, mismatched configurations).
-        self.handshake_failures = 0
+        self.failures = 0
         # Either side: handshakes that failed authentication (wrong or missing
         # secret on either end).
         self.auth_failures = 0
@@ -56,34 +59,52 @@ class HandshakeMixin:
         self.refusals: deque[str] = deque(maxlen=REFUSALS_KEPT)
         # FFN side: attention ranks served elsewhere (the other sessions of the
         # gate, see AFDConnector.accept_session), refused as already connected.
-        self._busy: Collection[int] = ()
+        self.busy: Collection[int] = ()
 
     @property
     def has_secret(self) -> bool:
-        return self._secret is not None
+        return self.secret is not None
 
     @property
     def last_refusal(self) -> str | None:
         return self.refusals[-1] if self.refusals else None
 
+    def add(self, other: "Handshake") -> None:
+        """Count another handshake's failures and refusals here (a gate's
+        sessions add up on the gate)."""
+        self.failures += other.failures
+        self.auth_failures += other.auth_failures
+        self.refusals.extend(other.refusals)
+
+    def refusal_note(self) -> str:
+        """For a timeout's message: how many peers were refused, and why the last."""
+        if not self.failures:
+            return ""
+        last = f"; the last refusal: {self.last_refusal}" if self.last_refusal else ""
+        return (f" ({self.failures} connection(s) dropped or refused during the "
+                f"handshake{last})")
+
     # ------------------------------------------------------------ the Hello
-    def _hello(self, auth_nonce: bytes = b"") -> Hello:
-        cfg = self.afd_config
-        return Hello(protocol_version=wire.PROTOCOL_VERSION, role=self.role, rank=self.rank,
+    def hello(self, auth_nonce: bytes = b"") -> Hello:
+        """This side's Hello (what the FFN compares with its own)."""
+        c = self.conn
+        cfg = c.afd_config
+        return Hello(protocol_version=wire.PROTOCOL_VERSION, role=c.role, rank=c.rank,
                      num_attention_ranks=cfg.num_attention_ranks,
                      num_ffn_ranks=cfg.num_ffn_ranks, num_ubatches=cfg.num_ubatches,
-                     hidden_size=self.hidden_size, dtype=wire.dtype_name(self.dtype),
-                     max_tokens=self.max_tokens, connector=self.name,
-                     fingerprint=self.fingerprint, routing_topk=self.routing_topk,
-                     auth_nonce=auth_nonce, device_kind=self.device.type,
-                     transport=self._hello_transport(),
+                     hidden_size=c.hidden_size, dtype=wire.dtype_name(c.dtype),
+                     max_tokens=c.max_tokens, connector=c.name,
+                     fingerprint=c.fingerprint, routing_topk=c.routing_topk,
+                     auth_nonce=auth_nonce, device_kind=c.device.type,
+                     transport=c._hello_transport(),
                      transfer_to_ffn=cfg.transfer_to_ffn,
                      transfer_to_attention=cfg.transfer_to_attention,
-                     scale_group=max(self.send_scale_group, self.receive_scale_group))
+                     scale_group=max(c.codec.send_scale_group, c.codec.receive_scale_group))
 
-    def _hello_problems(self, hello: Hello) -> list[str]:
+    def problems(self, hello: Hello) -> list[str]:
         """Why the FFN must refuse this Hello (empty: accept)."""
-        mine = self._hello()
+        c = self.conn
+        mine = self.hello()
         problems = []
 
         def differ(field: str, expected, received) -> None:
@@ -97,24 +118,24 @@ class HandshakeMixin:
         if hello.role != "attention":
             differ("role", "attention", hello.role)
         if (hello.device_kind and hello.device_kind != mine.device_kind
-                and not self.stages_through_host):
+                and not c.stages_through_host):
             problems.append(
                 f"device_kind: expected {mine.device_kind!r}, received {hello.device_kind!r} "
-                f"(connector {self.name!r} keeps payloads on the device; peers on different "
+                f"(connector {c.name!r} keeps payloads on the device; peers on different "
                 f"device kinds need one that stages through host memory, e.g. 'shm' or "
                 f"'tcp')")
-        if not 1 <= hello.num_ubatches <= self.num_ubatches:
+        if not 1 <= hello.num_ubatches <= c.num_ubatches:
             # The FFN serves any micro-batch count up to its own.
-            differ("num_ubatches", f"1 to {self.num_ubatches}", hello.num_ubatches)
-        if hello.max_tokens > self.max_tokens:
-            differ("max_tokens", f"at most {self.max_tokens}", hello.max_tokens)
-        if hello.rank not in self.expected_peers():
-            differ("rank", f"one of {self.expected_peers()}", hello.rank)
-        elif hello.rank in self._streams or hello.rank in self._busy:
+            differ("num_ubatches", f"1 to {c.num_ubatches}", hello.num_ubatches)
+        if hello.max_tokens > c.max_tokens:
+            differ("max_tokens", f"at most {c.max_tokens}", hello.max_tokens)
+        if hello.rank not in c.expected_peers():
+            differ("rank", f"one of {c.expected_peers()}", hello.rank)
+        elif hello.rank in c._streams or hello.rank in self.busy:
             problems.append(f"rank: attention rank {hello.rank} is already connected")
         unavailable = wire.FINGERPRINT_UNAVAILABLE
-        for key in sorted(set(hello.fingerprint) & set(self.fingerprint)):
-            expected, received = self.fingerprint[key], hello.fingerprint[key]
+        for key in sorted(set(hello.fingerprint) & set(c.fingerprint)):
+            expected, received = c.fingerprint[key], hello.fingerprint[key]
             # An item one side could not compute (vllm/afd/adapter/model/fingerprint.py) is no
             # evidence of a mismatch.
             if expected != received and unavailable not in (expected, received):
@@ -122,175 +143,182 @@ class HandshakeMixin:
         return problems
 
     # ------------------------------------------------------- attention side
-    def _handshake_as_attention(self, deadline: float) -> None:
+    def as_attention(self, deadline: float) -> None:
         """Send Hello on link 0, prove the secret if asked, act on the HelloAck."""
-        hello = self._hello(auth.new_nonce() if self._secret is not None else b"")
-        self._send_message(0, hello, what="the handshake (Hello)", deadline=deadline)
+        c = self.conn
+        hello = self.hello(auth.new_nonce() if self.secret is not None else b"")
+        c._send_message(0, hello, what="the handshake (Hello)", deadline=deadline)
         what = "the handshake reply (HelloAck)"
-        reply = self._recv_checked(0, wire.Message, what, deadline, on_wait=self._waiter(
-            f"{what} from {self.peer_name(0)}", deadline, connecting=True))
+        reply = c._recv_checked(0, wire.Message, what, deadline, on_wait=c._waiter(
+            f"{what} from {c.peer_name(0)}", deadline, connecting=True))
         if isinstance(reply, AuthChallenge):
             reply = self._answer_challenge(hello, reply, deadline)
         elif not isinstance(reply, HelloAck):
-            raise ProtocolError(f"unexpected message from {self.peer_name(0)} at "
-                                f"{self.address} while waiting for {what}: expected HelloAck "
+            raise ProtocolError(f"unexpected message from {c.peer_name(0)} at "
+                                f"{c.address} while waiting for {what}: expected HelloAck "
                                 f"or AuthChallenge, received {type(reply).__name__}")
-        elif self._secret is not None and reply.accepted:
+        elif self.secret is not None and reply.accepted:
             # Whatever answers there did not prove the secret: not our FFN server.
             self.auth_failures += 1
             raise ProtocolError(
-                f"{self.peer_name(0)} at {self.address} accepted {self.me} without "
+                f"{c.peer_name(0)} at {c.address} accepted {c.me} without "
                 f"authenticating: this side has a secret, the FFN server has none or does "
                 f"not check it; {auth.HOW_TO_FIX}")
         self._check_ack(reply)
         try:
-            self._on_ack(reply.transport)
+            c._on_ack(reply.transport)
         except ProtocolError as e:
             self._tell_peer(0, HelloConfirm(accepted=False, reason=str(e)[:wire.MAX_TEXT]),
                             deadline)
             raise
-        self._send_message(0, HelloConfirm(accepted=True), what="the handshake confirmation",
-                           deadline=deadline)
-        self._on_confirmed(0)
+        c._send_message(0, HelloConfirm(accepted=True), what="the handshake confirmation",
+                        deadline=deadline)
+        c._on_confirmed(0)
 
     def _answer_challenge(self, hello: Hello, challenge: AuthChallenge,
                           deadline: float) -> HelloAck:
-        ffn = f"{self.peer_name(0)} at {self.address}"
-        if self._secret is None:
+        c = self.conn
+        ffn = f"{c.peer_name(0)} at {c.address}"
+        if self.secret is None:
             self.auth_failures += 1
-            raise ProtocolError(f"{ffn} requires authentication and {self.me} has no "
+            raise ProtocolError(f"{ffn} requires authentication and {c.me} has no "
                                 f"secret: {auth.HOW_TO_FIX}")
-        if not auth.verify(self._secret, "ffn", hello.auth_nonce, challenge.nonce, hello,
+        if not auth.verify(self.secret, "ffn", hello.auth_nonce, challenge.nonce, hello,
                            challenge.proof):
             self.auth_failures += 1
             reason = (f"{ffn} failed authentication: its proof does not match the secret "
-                      f"of {self.me}; {auth.HOW_TO_FIX}")
+                      f"of {c.me}; {auth.HOW_TO_FIX}")
             self._tell_peer(0, wire.ErrorFrame(text=reason), deadline)
             raise ProtocolError(reason)
-        answer = AuthProof(proof=auth.proof(self._secret, "attention", hello.auth_nonce,
+        answer = AuthProof(proof=auth.proof(self.secret, "attention", hello.auth_nonce,
                                             challenge.nonce, hello))
-        self._send_message(0, answer, what="the authentication proof", deadline=deadline)
+        c._send_message(0, answer, what="the authentication proof", deadline=deadline)
         what = "the handshake reply (HelloAck)"
-        return self._recv_checked(0, HelloAck, what, deadline, on_wait=self._waiter(
-            f"{what} from {self.peer_name(0)}", deadline, connecting=True))
+        return c._recv_checked(0, HelloAck, what, deadline, on_wait=c._waiter(
+            f"{what} from {c.peer_name(0)}", deadline, connecting=True))
 
     def _check_ack(self, ack: HelloAck) -> None:
+        c = self.conn
         if not ack.accepted:
-            raise ProtocolError(f"{self.peer_name(0)} at {self.address} refused {self.me}: "
+            raise ProtocolError(f"{c.peer_name(0)} at {c.address} refused {c.me}: "
                                 f"{ack.reason}")
         if ack.protocol_version != wire.PROTOCOL_VERSION:
             raise ProtocolError(f"HelloAck.protocol_version: expected "
                                 f"{wire.PROTOCOL_VERSION}, received {ack.protocol_version}")
-        if ack.rank != self.ffn_rank or (ack.group and self.ffn_rank not in ack.group):
-            raise ProtocolError(f"HelloAck from {self.address}: expected FFN rank "
-                                f"{self.ffn_rank}, received rank {ack.rank} (group {ack.group})")
-        num_ffn_ranks = self.afd_config.num_ffn_ranks
+        if ack.rank != c.ffn_rank or (ack.group and c.ffn_rank not in ack.group):
+            raise ProtocolError(f"HelloAck from {c.address}: expected FFN rank "
+                                f"{c.ffn_rank}, received rank {ack.rank} (group {ack.group})")
+        num_ffn_ranks = c.afd_config.num_ffn_ranks
         if (any(r >= num_ffn_ranks for r in ack.group)
                 or len(set(ack.group)) != len(ack.group)):
             # The group names the ranks this side connects to next.
-            raise ProtocolError(f"HelloAck.group from {self.address}: expected distinct "
+            raise ProtocolError(f"HelloAck.group from {c.address}: expected distinct "
                                 f"FFN ranks in 0-{num_ffn_ranks - 1}, received {ack.group}")
-        self.ffn_group = list(ack.group) or [self.ffn_rank]
+        c.ffn_group = list(ack.group) or [c.ffn_rank]
 
     # ------------------------------------------------------------ FFN side
-    def _handshake_as_ffn(self, link: Any, source: str, deadline: float) -> int | None:
+    def as_ffn(self, link: Any, source: str, deadline: float) -> int | None:
         """Run the handshake on a new link: its peer id when accepted, None when
         the connection was dropped (not an AFD peer, failed authentication, or
         a mismatched configuration: told why, logged, counted; see refusals).
         The caller closes a dropped link and keeps accepting."""
-        key = -1 - len(self._streams)  # temporary slot until the Hello names the rank
-        self._streams[key] = link
+        c = self.conn
+        key = -1 - len(c._streams)  # temporary slot until the Hello names the rank
+        c._streams[key] = link
         try:
             return self._admit(key, source, deadline)
         except _Dropped:
-            self._streams.pop(key, None)
-            self._failure = None  # the receive helpers marked the connector failed
+            c._streams.pop(key, None)
+            c._failure = None  # the receive helpers marked the connector failed
             return None
 
     def _admit(self, key: int, source: str, deadline: float) -> int:
-        hello = self._handshake_recv(key, Hello, "the handshake (Hello)",
-                                     f"connection from {source}", deadline, auth_step=False)
+        c = self.conn
+        hello = self._recv(key, Hello, "the handshake (Hello)", f"connection from {source}",
+                           deadline, auth_step=False)
         label = f"attention rank {hello.rank}"
         if source != label:  # loopback names its links by rank already
             label += f" ({source})"
         if hello.protocol_version != wire.PROTOCOL_VERSION:
             self._refuse(key, label, f"protocol_version: expected {wire.PROTOCOL_VERSION!r}, "
                          f"received {hello.protocol_version!r}", deadline)
-        if self._secret is not None:
+        if self.secret is not None:
             self._authenticate(key, hello, label, deadline)
         elif hello.auth_nonce:
             self._refuse(key, label, f"authentication: the attention server has a secret "
                          f"and this FFN server has none; {auth.HOW_TO_FIX}", deadline,
                          auth_failure=True)
-        problems = self._hello_problems(hello)
+        problems = self.problems(hello)
         if problems:
             self._refuse(key, label, "; ".join(problems), deadline)
         peer = hello.rank
-        self._streams[peer] = self._streams.pop(key)
-        if hasattr(self._streams[peer], "name"):  # links that name their peer in messages
-            self._streams[peer].name = label
+        c._streams[peer] = c._streams.pop(key)
+        if hasattr(c._streams[peer], "name"):  # links that name their peer in messages
+            c._streams[peer].name = label
         try:
-            ack = HelloAck(accepted=True, rank=self.rank, group=self.ffn_group,
-                           transport=self._ack_transport(peer, hello.transport))
-            self._send_message(peer, ack, what="the handshake reply", deadline=deadline)
-            confirm = self._handshake_recv(peer, HelloConfirm,
-                                           "the handshake confirmation (HelloConfirm)", label,
-                                           deadline, auth_step=False)
+            ack = HelloAck(accepted=True, rank=c.rank, group=c.ffn_group,
+                           transport=c._ack_transport(peer, hello.transport))
+            c._send_message(peer, ack, what="the handshake reply", deadline=deadline)
+            confirm = self._recv(peer, HelloConfirm, "the handshake confirmation (HelloConfirm)",
+                                 label, deadline, auth_step=False)
         except BaseException:
-            self._streams[key] = self._streams.pop(peer)
-            self._on_refused(peer)
+            c._streams[key] = c._streams.pop(peer)
+            c._on_refused(peer)
             raise
         if not confirm.accepted:
-            self._streams[key] = self._streams.pop(peer)
-            self._on_refused(peer)
+            c._streams[key] = c._streams.pop(peer)
+            c._on_refused(peer)
             self.refusals.append(f"{label}: refused our HelloAck: {confirm.reason}")
-            self.handshake_failures += 1
-            logger.error("%s: %s refused the handshake reply: %s", self.me, label,
+            self.failures += 1
+            logger.error("%s: %s refused the handshake reply: %s", c.me, label,
                          confirm.reason)
             raise _Dropped()
         try:
-            self._on_confirmed(peer)  # e.g. NCCL init, with its own deadline
+            c._on_confirmed(peer)  # e.g. NCCL init, with its own deadline
         except Exception as e:  # noqa: BLE001 - this peer fails, the server goes on
-            self._streams[key] = self._streams.pop(peer)
-            self._on_refused(peer)
+            c._streams[key] = c._streams.pop(peer)
+            c._on_refused(peer)
             self._drop(label, e, auth_failure=False)
         return peer
 
     def _authenticate(self, key: int, hello: Hello, label: str, deadline: float) -> None:
         """Challenge the peer; return only if it proved the secret."""
+        c = self.conn
         if len(hello.auth_nonce) != wire.AUTH_NONCE_BYTES:
             self._refuse(key, label, "authentication: this FFN server requires a secret and "
                          f"the attention server has none; {auth.HOW_TO_FIX}", deadline,
                          auth_failure=True)
         nonce = auth.new_nonce()
         challenge = AuthChallenge(nonce=nonce, proof=auth.proof(
-            self._secret, "ffn", hello.auth_nonce, nonce, hello))
+            self.secret, "ffn", hello.auth_nonce, nonce, hello))
         try:
-            self._send_message(key, challenge, what="the authentication challenge",
-                               deadline=deadline)
+            c._send_message(key, challenge, what="the authentication challenge",
+                            deadline=deadline)
         except AFDConnectionError as e:
             self._drop(label, e, auth_failure=True)
-        answer = self._handshake_recv(key, AuthProof, "the authentication proof (AuthProof)",
-                                      label, deadline, auth_step=True)
-        if not auth.verify(self._secret, "attention", hello.auth_nonce, nonce, hello,
+        answer = self._recv(key, AuthProof, "the authentication proof (AuthProof)", label,
+                            deadline, auth_step=True)
+        if not auth.verify(self.secret, "attention", hello.auth_nonce, nonce, hello,
                            answer.proof):
             self._refuse(key, label, "authentication failed: the attention server's proof "
                          f"does not match this FFN server's secret; {auth.HOW_TO_FIX}",
                          deadline, auth_failure=True)
 
-    def _handshake_recv(self, key: int, kind: type, what: str, label: str, deadline: float,
-                        auth_step: bool):
+    def _recv(self, key: int, kind: type, what: str, label: str, deadline: float,
+              auth_step: bool):
+        c = self.conn
         try:
-            return self._recv_checked(key, kind, what, deadline, peer_label=label)
+            return c._recv_checked(key, kind, what, deadline, peer_label=label)
         except (ProtocolError, AFDConnectionError) as e:
             # A port scanner or a stray client must not take the server down.
             self._drop(label, e, auth_failure=auth_step)
 
     def _drop(self, label: str, error: Exception, auth_failure: bool) -> None:
-        self.handshake_failures += 1
+        c = self.conn
+        self.failures += 1
         if auth_failure:
             self.auth_failures += 1
-        logger.warning("%s: dropping %s%s: %s", self.me, label,
+        logger.warning("%s: dropping %s%s: %s", c.me, label,
                        " during authentication" if auth_failure else "", error)
         raise _Dropped()
 
@@ -299,23 +327,25 @@ class HandshakeMixin:
         """Record, log, tell the peer why it is refused (best effort), drop.
         Counted before the peer hears of it, so whoever watches the counters
         sees the refusal no later than the peer does."""
+        c = self.conn
         self.refusals.append(f"{label}: {reason}")
-        self.handshake_failures += 1
+        self.failures += 1
         if auth_failure:
             self.auth_failures += 1
             # Anyone can knock: a warning, not an error of this server.
-            logger.warning("%s refused %s: %s", self.me, label, reason)
+            logger.warning("%s refused %s: %s", c.me, label, reason)
         else:
-            logger.error("%s refused %s: %s", self.me, label, reason)
+            logger.error("%s refused %s: %s", c.me, label, reason)
         self._tell_peer(key, HelloAck(accepted=False, reason=reason[:wire.MAX_TEXT],
-                                      rank=self.rank), deadline)
+                                      rank=c.rank), deadline)
         raise _Dropped()
 
     def _tell_peer(self, key: int, message: wire.Message, deadline: float) -> None:
         """Best-effort message to a peer being refused (it may be gone)."""
+        c = self.conn
         try:
-            self._send_message(key, message, what=f"the {type(message).__name__}",
-                               deadline=deadline)
+            c._send_message(key, message, what=f"the {type(message).__name__}",
+                            deadline=deadline)
         except AFDConnectionError as e:
-            logger.debug("%s: could not send %s: %s", self.me, type(message).__name__, e)
-        self._failure = None
+            logger.debug("%s: could not send %s: %s", c.me, type(message).__name__, e)
+        c._failure = None

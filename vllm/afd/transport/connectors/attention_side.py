@@ -57,11 +57,11 @@ class AttentionSide:
             topk = self.routing_topk
         frame = wire.layer_frame(h, step_id=header.step_id, layer_id=layer_id,
                                  ubatch_id=ubatch_id, topk=topk,
-                                 scale_group=self.send_scale_group)
+                                 scale_group=self.codec.send_scale_group)
         # The FFN may overwrite this micro-batch's receive buffer once it has
         # these hidden states: the last output must have been copied out.
         self._release_received(0, ubatch_id)
-        payload = self._encode(0, ubatch_id, h, routing)  # codec.py
+        payload = self.codec.encode(0, ubatch_id, h, routing)  # codec.py
         self._send_message(0, frame, payload, what=What(
             "layer {} ubatch {} hidden states of step {}", layer_id, ubatch_id, header.step_id))
         if expect_output:

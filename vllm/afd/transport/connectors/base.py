@@ -6,7 +6,8 @@ One connector object per rank and role, made of three parts:
 
 - the per-role protocol state: attention_side.py (send_step, send_hidden,
   recv_output) and ffn_side.py (recv_step, recv_hidden, routing, send_output);
-- the handshake and authentication (../handshake.py);
+- the handshake and authentication (../handshake.py), an object it holds
+  (self.handshake);
 - the transport hooks a concrete connector implements (hooks.py): shm, tcp,
   loopback, nccl, or any registered one.
 
@@ -60,7 +61,8 @@ Two ways to be the FFN side:
     only that peer's link: its session, driven by its own thread, closed
     alone when that peer leaves or fails. Peers come and go at any time; a
     rank with a live session is refused ("already connected") until it ends.
-    The handshake counters and refusals of every session add up on the gate.
+    The handshake counters and refusals of every session add up on the
+    gate's (gate.handshake: failures, auth_failures, refusals, last_refusal).
 """
 
 import logging
@@ -72,7 +74,7 @@ from typing import Any
 import msgspec
 import torch
 
-from vllm.afd.transport import wire
+from vllm.afd.transport import auth, wire
 from vllm.afd.transport.config import LinkConfig
 from vllm.afd.transport.connectors.attention_side import AttentionSide
 from vllm.afd.transport.connectors.codec import Packed, PayloadCodec
@@ -82,7 +84,7 @@ from vllm.afd.transport.connectors.peer_step import PeerStep
 from vllm.afd.transport.device import DeviceOps
 from vllm.afd.transport.errors import (AFDConnectionError, AFDTimeoutError, LinkClosed,
                                        LinkTimeout, WaitCallback, What)
-from vllm.afd.transport.handshake import HandshakeMixin
+from vllm.afd.transport.handshake import Handshake
 from vllm.afd.transport.wire import ErrorFrame, LayerFrame, ProtocolError, StepHeader
 
 logger = logging.getLogger(__name__)
@@ -105,7 +107,7 @@ def spin_us_setting(config, default: float) -> float:
     return spin_us
 
 
-class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, TransportHooks):
+class AFDConnector(AttentionSide, FFNSide, TransportHooks):
     def __init__(self, config: Any, *, hidden_size: int, dtype: torch.dtype,
                  max_tokens: int, rank: int = 0,
                  fingerprint: dict[str, str] | None = None, ffn_rank: int | None = None,
@@ -144,9 +146,13 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
         self.routing_topk = routing_topk
         self.device = torch.device(device)
         self.ops = DeviceOps(self.device)
-        # Transfer encodings per direction; max_bytes, the largest payload (a
-        # full micro-batch, with its routing if any) in either (codec.py).
-        self._init_codec(config)
+        # How payloads become bytes and back (codec.py): the transfer encodings
+        # per direction, max_bytes (the largest payload, a full micro-batch
+        # with its routing if any, in either), pack and unpack buffers.
+        self.codec = PayloadCodec(config, dtype=dtype, hidden_size=hidden_size,
+                                  max_tokens=max_tokens, routing_topk=routing_topk,
+                                  device=self.device, ops=self.ops, peer_name=self.peer_name,
+                                  send_slot=self._send_slot)
         self.timeout_s = config.timeout_s
         self.num_ubatches = config.num_ubatches
         self.fingerprint = dict(fingerprint or {})
@@ -177,8 +183,11 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
         self._views: dict[Any, tuple] = {}  # see _typed_view
         # peer -> its current step (peer_step.py; the attention side's peer is 0)
         self._steps: dict[int, PeerStep] = {}
-        # The shared secret and the handshake counters (handshake.py).
-        self._init_handshake()
+        # The handshake, its shared secret and its counters (../handshake.py):
+        # transports whose peers live in other processes prove the secret
+        # (authenticates), in-process loopback has nothing to prove.
+        self.handshake = Handshake(self, auth.load_secret(config.token_file)
+                                   if self.authenticates else None)
 
     # ----------------------------------------------------------------- identity
     @property
@@ -209,7 +218,7 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
         try:
             self._open(time.monotonic() + self.timeout_s)
         except BaseException:
-            self._clear_codec()
+            self.codec.clear()
             self._close_transport()
             self._streams.clear()
             raise
@@ -240,7 +249,7 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
         configuration and return that connector, connected to this one peer
         (its session). None when nobody came, or when whoever came was
         refused or dropped (told why, logged, and counted here: see
-        handshake_failures, auth_failures, refusals).
+        handshake.failures, .auth_failures, .refusals).
 
         busy: attention ranks with a live session, refused as already
         connected. It is consulted when the Hello arrives: pass a live view
@@ -253,19 +262,17 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
             return None
         link, source = incoming
         session = type(self)(self.afd_config, **self._init_kwargs)
-        session._busy = busy
+        session.handshake.busy = busy
         self._admitting = session  # close() of the gate interrupts the handshake
         peer = None
         try:
             if self._closed:
                 raise AFDConnectionError(f"{self.me} was closed")
-            peer = session._handshake_as_ffn(link, source,
-                                             time.monotonic() + self._hello_timeout())
+            peer = session.handshake.as_ffn(link, source,
+                                            time.monotonic() + self._hello_timeout())
         finally:
             self._admitting = None
-            self.handshake_failures += session.handshake_failures
-            self.auth_failures += session.auth_failures
-            self.refusals.extend(session.refusals)
+            self.handshake.add(session.handshake)
             if peer is None:
                 link.close()
                 session.close()
@@ -288,22 +295,16 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
                 deadline, f"attention rank(s) {missing()} on {self.address}",
                 f"{self.me} waited {self.timeout_s:g}s on {self.address} for attention "
                 f"rank(s) {missing()} to connect; is the attention server running with "
-                f"the same host, port and connector '{self.name}'?{self._refusal_note()}")
+                f"the same host, port and connector '{self.name}'?"
+                f"{self.handshake.refusal_note()}")
             incoming = self._next_link(min(remaining, LOG_INTERVAL_S))
             if incoming is None:
                 on_wait()
                 continue
             link, source = incoming
             hello_deadline = min(deadline, time.monotonic() + self._hello_timeout())
-            if self._handshake_as_ffn(link, source, hello_deadline) is None:
+            if self.handshake.as_ffn(link, source, hello_deadline) is None:
                 link.close()
-
-    def _refusal_note(self) -> str:
-        if not self.handshake_failures:
-            return ""
-        last = f"; the last refusal: {self.last_refusal}" if self.last_refusal else ""
-        return (f" ({self.handshake_failures} connection(s) dropped or refused during the "
-                f"handshake{last})")
 
     def close(self) -> None:
         """Say goodbye to the peers (best effort) and release sockets, buffers
@@ -320,7 +321,7 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
             goodbye = StepHeader(step_id=0, num_tokens=[], flags=wire.GOODBYE)
             self._farewell(goodbye)
         try:
-            self._clear_codec()
+            self.codec.clear()
             self._close_transport()
         finally:
             # self._streams stays: another thread blocked in this connector may
@@ -471,10 +472,10 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
         deadline = time.monotonic() + self.timeout_s
         frame = self._recv_checked(peer, LayerFrame, what, deadline)
         routing = None
-        group = self.receive_scale_group
+        group = self.codec.receive_scale_group
         try:
             dtype = wire.check_frame(frame, step_id=step_id, layer_id=layer_id,
-                                     ubatch_id=ubatch_id, max_bytes=self.max_bytes,
+                                     ubatch_id=ubatch_id, max_bytes=self.codec.max_bytes,
                                      expected_shape=shape, dtype=self.dtype,
                                      routing_topk=routing_topk,
                                      encoding=wire.FP8_E4M3 if group else wire.EXACT,
@@ -486,7 +487,7 @@ class AFDConnector(AttentionSide, FFNSide, PayloadCodec, HandshakeMixin, Transpo
                 raw_frame = msgspec.structs.replace(frame, dtype="uint8", shape=[frame.nbytes])
                 raw = self._receive_payload(peer, raw_frame, torch.uint8, announced, deadline,
                                             None)
-                tensor, routing = self._decode(peer, frame, dtype, raw, out, defer)
+                tensor, routing = self.codec.decode(peer, frame, dtype, raw, out, defer)
             else:
                 tensor = self._receive_payload(peer, frame, dtype, announced, deadline, out)
         except ProtocolError as e:

@@ -95,11 +95,11 @@ class FFNSide:
         self._check_local(out, awaited[1], What("output of layer {} ubatch {}", layer_id,
                                                  ubatch_id))
         frame = wire.layer_frame(out, step_id=step_id, layer_id=layer_id,
-                                 ubatch_id=ubatch_id, scale_group=self.send_scale_group)
+                                 ubatch_id=ubatch_id, scale_group=self.codec.send_scale_group)
         # The peer may overwrite the hidden states' buffer once it has the
         # output: they must have been copied out of it.
         self._release_received(peer, ubatch_id)
-        payload = self._encode(peer, ubatch_id, out, None)  # codec.py
+        payload = self.codec.encode(peer, ubatch_id, out, None)  # codec.py
         self._send_message(peer, frame, payload, what=What(
             "layer {} ubatch {} output of step {}", layer_id, ubatch_id, step_id))
         del step.awaiting[ubatch_id]

@@ -99,6 +99,13 @@ class TransportHooks(ABC):
         side last received ubatch_id into: block until that payload has been
         copied out of it (asynchronous device copies)."""
 
+    def _send_slot(self, peer: int, ubatch_id: int, nbytes: int,
+                   device: torch.device) -> "torch.Tensor | None":
+        """This transport's own memory to pack a payload of nbytes into (a
+        uint8 tensor of exactly that size, the same for every call of (peer,
+        ubatch_id)), or None: the codec packs into its buffer (codec.py)."""
+        return None
+
     @abstractmethod
     def _close_transport(self) -> None:
         """Release everything _open created; idempotent; must not raise."""

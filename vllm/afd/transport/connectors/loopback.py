@@ -102,7 +102,7 @@ class LoopbackConnector(AFDConnector):
     def _open(self, deadline: float) -> None:
         if self.is_attention:
             self._dial(deadline)
-            self._handshake_as_attention(deadline)
+            self.handshake.as_attention(deadline)
         else:
             self._accept_peers(deadline)
 

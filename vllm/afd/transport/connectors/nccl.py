@@ -228,7 +228,7 @@ class NcclConnector(SocketConnector):
         if view is None:
             key = (peer, frame.ubatch_id)
             if key not in self._device_buffers:
-                self._device_buffers[key] = torch.empty(self.max_bytes, dtype=torch.uint8,
+                self._device_buffers[key] = torch.empty(self.codec.max_bytes, dtype=torch.uint8,
                                                         device=self.device)
             view = self._typed_view(key, self._device_buffers[key], dtype, frame.shape)
         comm = self._comms[peer][1]

@@ -118,7 +118,7 @@ class Ubatch:
 
 def received_frame(dtype: torch.dtype, rows: int, hidden: int, scale_group: int, topk: int,
                    ubatch: int) -> LayerFrame:
-    """The frame a prepared receive decodes like (codec.PayloadCodec._decode:
+    """The frame a prepared receive decodes like (codec.PayloadCodec.decode:
     shape, encoding, routing width and micro-batch are what it reads)."""
     return _frame(dtype, rows, hidden, scale_group, topk, 0, 0, ubatch)
 

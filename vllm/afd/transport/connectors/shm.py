@@ -196,7 +196,7 @@ class ShmConnector(ShmFrames, StepCalls, SocketConnector):
 
     def __init__(self, afd_config, **kwargs) -> None:
         super().__init__(afd_config, **kwargs)
-        self.slot_bytes = -(-self.max_bytes // SLOT_ALIGN) * SLOT_ALIGN
+        self.slot_bytes = -(-self.codec.max_bytes // SLOT_ALIGN) * SLOT_ALIGN
         # peer -> (segment this side writes, segment this side reads)
         self._segments: dict[int, tuple[ShmSegment, ShmSegment]] = {}
         # peer -> the slots of those segments, with their copies and events
@@ -311,9 +311,9 @@ class ShmConnector(ShmFrames, StepCalls, SocketConnector):
             raise ProtocolError(f"HelloAck.transport (shm) slots_offset: expected "
                                 f"{shm_ring.SLOTS_OFFSET} (the ring, then whole pages), "
                                 f"received {ack.slots_offset}")
-        if not self.max_bytes <= ack.slot_bytes <= 2 * self.slot_bytes:
+        if not self.codec.max_bytes <= ack.slot_bytes <= 2 * self.slot_bytes:
             raise ProtocolError(f"HelloAck.transport (shm) slot_bytes: expected "
-                                f"{self.max_bytes} to {2 * self.slot_bytes}, received "
+                                f"{self.codec.max_bytes} to {2 * self.slot_bytes}, received "
                                 f"{ack.slot_bytes}")
         # The names come from the peer, and this side unlinks them once mapped:
         # only ever segments made for this connection, never someone else's.
@@ -359,12 +359,12 @@ class ShmConnector(ShmFrames, StepCalls, SocketConnector):
         except KeyError:
             raise LinkClosed("shared memory already released") from None
 
-    def _pack_target(self, peer: int, ubatch_id: int, nbytes: int,
-                     device: torch.device) -> torch.Tensor:
+    def _send_slot(self, peer: int, ubatch_id: int, nbytes: int,
+                   device: torch.device) -> torch.Tensor | None:
         # A host payload is packed straight into the shared-memory slot (no
         # second copy); a device one on its device first, then copied over.
         if device.type != "cpu":
-            return super()._pack_target(peer, ubatch_id, nbytes, device)
+            return None
         return self._slots(self._tx, peer).slot(ubatch_id)[:nbytes]
 
     def _transmit(self, peer: int, header: bytes, frame: LayerFrame | None,

@@ -85,7 +85,7 @@ class ShmFrames:
             return None
         sends, recvs, routed_frames, ubatches = [], [], [], []
         hidden, dtype, topk = self.hidden_size, self.dtype, self.routing_topk
-        send_group, receive_group = self.send_scale_group, self.receive_scale_group
+        send_group, receive_group = self.codec.send_scale_group, self.codec.receive_scale_group
         # Frames toward the FFN carry routing on MoE layers (gate_on "attention").
         to_ffn_group = send_group if self.is_attention else receive_group
         overhead = link.frame_overhead
@@ -109,7 +109,7 @@ class ShmFrames:
                 if in_codec is None:
                     view = self._rx[peer].view(u, dtype, shape)
                 else:
-                    view = self._unpack_buffer(peer, u, dtype, self.device)[
+                    view = self.codec.unpack_buffer(peer, u, dtype, self.device)[
                         :rows * hidden].view(rows, hidden)
                     into = view.data_ptr()
             routed, routing = 0, None

@@ -105,8 +105,8 @@ class StepCalls:
         tensors are staged; their fp8 and routing are packed on the device by
         the op library (where it packs: csrc/cpu/frame_codec.h packs host
         memory only), their frames then prepared raw."""
-        return self.device.type in ("cpu", "cuda") and (self._on_host or self._packs or not (
-            self.send_scale_group or self.receive_scale_group or self.routing_topk))
+        return self.device.type in ("cpu", "cuda") and (self._on_host or self.codec.packs or not (
+            self.codec.send_scale_group or self.codec.receive_scale_group or self.routing_topk))
 
     def _prepare(self, peer: int, step: wire.StepHeader) -> None:
         """Prepare the step's layer calls with peer (see the module docstring)."""
@@ -161,7 +161,7 @@ class StepCalls:
         staged, posted. False: nothing sent."""
         if routing is not None and not (ub.routed and routable(*routing, ub, t.device)):
             return False
-        src = self._staged_source(peer, u, self._encode(peer, u, t, routing))
+        src = self._staged_source(peer, u, self.codec.encode(peer, u, t, routing))
         # Any routing address selects the routed frame; a raw frame's routing
         # is in its payload, at src.
         status = C.step_calls_post(calls, u, layer_id, src, *((src, src) if routing else ()))
@@ -196,7 +196,7 @@ class StepCalls:
             return self.send_hidden(layer_id, ubatch_id, h, routing=routing)
         if h.is_cpu and self._on_host:
             src = h.data_ptr()
-        elif self.send_scale_group or routing is not None:
+        elif self.codec.send_scale_group or routing is not None:
             # A device connector's frame, prepared raw; a host connector's C
             # packs host memory: a device tensor there goes the general way.
             if self._on_host or not self._post_packed(0, layer_id, ubatch_id, h, ub, routing,
@@ -237,7 +237,7 @@ class StepCalls:
         # receive takes any other `out` (None: its buffer's).
         if out is not None and (
                 out.dtype == self.dtype and out.nbytes == ub.nbytes and out.is_contiguous()
-                and ((on_host := out.is_cpu and self._on_host) or not self.receive_scale_group
+                and ((on_host := out.is_cpu and self._on_host) or not self.codec.receive_scale_group
                      or ub.unstage is not None)):
             # Counted before, so that nothing stands between the output's
             # arrival and the caller; undone when it does not come.
@@ -251,7 +251,7 @@ class StepCalls:
                     if unstage is None:
                         self._staged_slots(0).read(ubatch_id, self.dtype, ub.shape, out)
                     else:
-                        self._decode_staged(self._staged_slots(0), 0, ubatch_id, unstage[0],
+                        self.codec.decode_staged(self._staged_slots(0), 0, ubatch_id, unstage[0],
                                             out)
                 return out
             self.bytes_received -= ub.received
@@ -300,7 +300,7 @@ class StepCalls:
             if unstage is not None and unstage[status - 1] is not None:
                 # A device's fp8 or routed frame: decoded there (the routing
                 # viewed in the device's copy of the payload).
-                h, routings[ubatch_id] = self._decode_staged(
+                h, routings[ubatch_id] = self.codec.decode_staged(
                     self._staged_slots(peer), peer, ubatch_id, unstage[status - 1])
                 return h
             # On a device: copied from the slot on this side's stream.
@@ -330,10 +330,10 @@ class StepCalls:
             return super().reply_call(peer, layer_id, ubatch_id, out)
         if out.is_cpu and self._on_host:
             src = out.data_ptr()
-        elif self.send_scale_group:  # fp8: packed on the device, then staged
+        elif self.codec.send_scale_group:  # fp8: packed on the device, then staged
             if self._on_host:  # a device tensor on a host connector: the general way
                 return super().reply_call(peer, layer_id, ubatch_id, out)
-            src = self._staged_source(peer, ubatch_id, self._encode(peer, ubatch_id, out, None))
+            src = self._staged_source(peer, ubatch_id, self.codec.encode(peer, ubatch_id, out, None))
         else:
             src = self._staged_source(peer, ubatch_id, out)
         status = C.step_calls_post(calls, ubatch_id, layer_id, src)

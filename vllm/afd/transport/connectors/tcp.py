@@ -132,7 +132,7 @@ class SocketConnector(AFDConnector):
             sock = self._dial(deadline)
             self._streams[0] = SocketStream(sock, f"{self.peer_name(0)} at {self.address}",
                                         self.timeout_s, self._socket_spin_s)
-            self._handshake_as_attention(deadline)
+            self.handshake.as_attention(deadline)
         else:
             self._listen()
             self._accept_peers(deadline)
@@ -171,7 +171,7 @@ class SocketConnector(AFDConnector):
 
     def _listen(self) -> None:
         if self._listens_on_network():
-            auth.check_listen_address(self.host, has_secret=self.has_secret,
+            auth.check_listen_address(self.host, has_secret=self.handshake.has_secret,
                                       allow_insecure=self.afd_config.allow_insecure,
                                       what=f"{self.me} at {self.address}")
         # The previous connector of this FFN rank may still hold the address for
@@ -285,7 +285,7 @@ class SocketConnector(AFDConnector):
     def _staging(self, table: dict[int, HostSlots], peer: int) -> HostSlots:
         slots = table.get(peer)
         if slots is None:
-            slot_bytes = -(-self.max_bytes // 64) * 64
+            slot_bytes = -(-self.codec.max_bytes // 64) * 64
             memory = self.ops.host_buffer(slot_bytes * self.num_ubatches)
             slots = table[peer] = HostSlots(memory, slot_bytes, self.num_ubatches, self.ops,
                                             pinned=True)
@@ -330,7 +330,7 @@ class SocketConnector(AFDConnector):
         buffer = self._rx_buffers.get(key)
         if buffer is None or buffer.numel() < nbytes:
             size = max(nbytes, min(2 * (0 if buffer is None else buffer.numel()),
-                                   self.max_bytes))
+                                   self.codec.max_bytes))
             buffer = self._rx_buffers[key] = torch.empty(size, dtype=torch.uint8)
         return buffer
 

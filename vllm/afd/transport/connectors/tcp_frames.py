@@ -74,7 +74,7 @@ class TcpFrames:
         sends, recvs, routed_frames, ubatches = [], [], [], []
         hidden, dtype, host = self.hidden_size, self.dtype, torch.device("cpu")
         topk, attention = self.routing_topk, self.is_attention
-        send_group, receive_group = self.send_scale_group, self.receive_scale_group
+        send_group, receive_group = self.codec.send_scale_group, self.codec.receive_scale_group
         # Frames toward the FFN carry routing on MoE layers (gate_on "attention").
         to_ffn_group = send_group if attention else receive_group
         # A device's fp8 and routing are packed and unpacked on it (around the
@@ -94,7 +94,7 @@ class TcpFrames:
             # and unpacked from it. The FFN's exact hidden states are received
             # straight into that buffer. Each allocated only where a frame
             # needs it (a pack buffer is max_bytes).
-            pack = (self._pack_target(peer, u, max(out_t[4], routed_t[4] if topk else 0),
+            pack = (self.codec.pack_target(peer, u, max(out_t[4], routed_t[4] if topk else 0),
                                       host).data_ptr()
                     if not raw and (send_group or (topk and attention)) else 0)
             rx = (self._rx_buffer(key, max(in_t[4], routed_t[4] if topk else 0))
@@ -116,7 +116,7 @@ class TcpFrames:
             view, routing, routed = None, None, 0
             if not attention and self._on_host:
                 view = (self._typed_view(key, rx, dtype, shape)
-                        if in_codec is None else self._unpack_buffer(
+                        if in_codec is None else self.codec.unpack_buffer(
                             peer, u, dtype, host)[:rows * hidden].view(rows, hidden))
             # Raw received frames that need the device to decode them: fp8.
             unstage = [(received_frame(dtype, rows, hidden, receive_group, 0, u), in_t[4])
