@@ -55,8 +55,7 @@ def test_prepared_calls_carry_every_layer_call_and_count_like_the_general_path(
         prepared_steps(attn, steps, layers)
         calls = len(steps) * layers
         assert attn.fast_calls == 2 * calls
-        c_calls, send_ns, wait_ns = (attn._steps[0].prepared[1].step_calls_times(
-            attn._steps[0].prepared[0])[i] for i in (2, 0, 1))
+        send_ns, wait_ns, c_calls = attn.step_times()
         assert c_calls == layers and send_ns > 0 and wait_ns > 0  # the last step's
     finally:
         attn.close()
@@ -237,8 +236,8 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps(pat
         assert lead.fast_calls == 2 * 3 * len(layers)
         [session] = list(loop._sessions.values())
         assert session.fast_calls == 2 * 3 * len(layers)
-        calls, C, _ = session._steps[0].prepared  # the last step's: a reply for every call,
-        assert C.step_calls_times(calls)[2] == len(layers)  # the step's last one included
+        # The last step's: a reply for every call, the step's last one included.
+        assert session.step_times(0)[2] == len(layers)
         stats = link.stats
         assert stats.layer_calls == 3 * len(layers) and stats.steps == 3
         assert 0 < stats.send_s < stats.wait_s
@@ -300,8 +299,7 @@ def test_the_link_and_the_loop_take_prepared_calls_for_one_micro_batch_steps(pat
                     torch.testing.assert_close(out, hidden[u] @ weight + layer, rtol=0,
                                                atol=0)
             link.end_step()
-            calls, C, _ = lead._steps[0].prepared
-            assert C.step_calls_times(calls)[2] == 2 * len(layers)  # every call prepared
+            assert lead.step_times()[2] == 2 * len(layers)  # every call prepared
         assert lead.fast_calls - fast_before[0] == 2 * 2 * 2 * len(layers)
         while loop.stats().steps < 6 and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -45,9 +45,9 @@ tensor (and the routing after it) into the payload, or unpacks the payload's
 hidden states into the caller's tensor (on the FFN its unpack buffer; the
 routing viewed in place), with afd::pack's row kernels (csrc/cpu/frame_codec.h).
 CUDA tensors are staged through the connector's host slots: their fp8 and
-routing are packed on the device by the op library (codec._encode) and their
+routing are packed on the device by the op library (codec.encode) and their
 frames prepared raw; the receiver copies the payload to its device and decodes
-it there (codec._decode_staged).
+it there (codec.decode_staged).
 """
 
 import errno
@@ -129,14 +129,24 @@ class StepCalls:
                                      routed if routed and not attention else None)
         current.prepared = (calls, C, ubatches)
 
-    def _prepared_send_s(self, peer: int) -> float:
-        """Time the prepared calls spent sending since the last time asked."""
+    def step_times(self, peer: int = 0) -> tuple[int, int, int] | None:
+        """(ns spent sending, ns spent waiting, calls posted) by the current
+        step's prepared calls with peer so far; None: the step goes the
+        general way (or none began)."""
         step = self._steps.get(peer)
         if step is None or step.prepared is None:
+            return None
+        calls, C, _ = step.prepared
+        return C.step_calls_times(calls)
+
+    def _prepared_send_s(self, peer: int) -> float:
+        """Time the prepared calls spent sending since the last time asked."""
+        times = self.step_times(peer)
+        if times is None:
             return 0.0
-        send_ns = step.prepared[1].step_calls_times(step.prepared[0])[0]
-        before, step.reported_send_ns = step.reported_send_ns, send_ns
-        return (send_ns - before) * 1e-9
+        step = self._steps[peer]
+        before, step.reported_send_ns = step.reported_send_ns, times[0]
+        return (times[0] - before) * 1e-9
 
     def _not_sent(self, peer: int, status: int, layer_id: int, u: int, what: str) -> bool:
         """A post's status other than 0 (sent): 1, nothing sent (the general
@@ -157,7 +167,7 @@ class StepCalls:
     def _post_packed(self, peer: int, layer_id: int, u: int, t: torch.Tensor, ub: Ubatch,
                      routing: "wire.Routing | None", calls, C) -> bool:
         """A device tensor's fp8 or routed frame (prepared raw): packed on its
-        device by the op library (the general path's bytes: codec._encode),
+        device by the op library (the general path's bytes: codec.encode),
         staged, posted. False: nothing sent."""
         if routing is not None and not (ub.routed and routable(*routing, ub, t.device)):
             return False
