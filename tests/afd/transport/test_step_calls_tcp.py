@@ -151,7 +151,7 @@ def test_shm_keeps_its_payloads_off_the_socket():
         server.join_result()
     assert ffn.fast_calls == 4
     for side in (attn, ffn):
-        assert isinstance(side, ShmFrames) and not isinstance(side, TcpFrames)
+        assert isinstance(side.frames, ShmFrames) and not isinstance(side.frames, TcpFrames)
     ffn.close()
 
 

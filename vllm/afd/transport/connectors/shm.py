@@ -171,7 +171,7 @@ class ShmSegment:
         self._mmap = None
 
 
-class ShmConnector(ShmFrames, StepCalls, SocketConnector):
+class ShmConnector(StepCalls, SocketConnector):
     name = "shm"
     stages_through_host = True
     extra_config_keys = frozenset({"notify", "spin_us", "stream_copies"})
@@ -216,7 +216,7 @@ class ShmConnector(ShmFrames, StepCalls, SocketConnector):
         self.stream_copies = stream_copies
         # Layer calls in one C call per message end (step_calls.py, shm_frames.py).
         self._init_step_calls()
-        self._init_shm_frames()
+        self.frames = ShmFrames(self)
 
     @property
     def _segment_bytes(self) -> int:
@@ -398,7 +398,7 @@ class ShmConnector(ShmFrames, StepCalls, SocketConnector):
 
     def _close_transport(self) -> None:
         super()._close_transport()
-        self._slot_addresses.clear()
+        self.frames.clear()
         for table in (self._tx, self._rx):  # our views and pins first
             for slots in table.values():
                 slots.close()

@@ -19,7 +19,8 @@ What the prepared calls do not take goes the general way (attention_side.py,
 ffn_side.py: the Python protocol over the ring, shm_ring.py). Why comparing
 bytes checks a frame: prepared.py.
 
-Mixed into ShmConnector (shm.py) ahead of StepCalls and the protocol classes.
+An object ShmConnector (shm.py) holds as its frames (step_calls.py names
+the four methods StepCalls uses).
 """
 
 
@@ -33,11 +34,12 @@ from vllm.afd.transport.connectors.step_calls import StepFrames
 
 
 class ShmFrames:
-    """See the module docstring. Needs, from ShmConnector: _streams (RingStreams
-    once connected), _tx/_rx (HostSlots), and the protocol state of
-    attention_side.py and ffn_side.py."""
+    """See the module docstring. Reads, from its ShmConnector: _streams
+    (RingStreams once connected), _tx/_rx (HostSlots), the codec and the
+    connector's sizes."""
 
-    def _init_shm_frames(self) -> None:
+    def __init__(self, conn) -> None:
+        self.conn = conn
         # Per direction: rows -> template (or None: this shape goes the general way).
         self._send_templates: dict[int, tuple | None] = {}
         self._recv_templates: dict[int, tuple | None] = {}
@@ -47,27 +49,30 @@ class ShmFrames:
         # peer -> slot addresses (send, receive), per micro-batch
         self._slot_addresses: dict[int, tuple[list[int], list[int]]] = {}
 
-    def _staged_source(self, peer: int, u: int, t: torch.Tensor) -> int:
+    def staged_source(self, peer: int, u: int, t: torch.Tensor) -> int:
         """On a device connector, the address a prepared post sends from: t
         copied into this side's slot u (waited for: the peer reads the slot
         once the header arrives). Before that, the last read of the received
         slot u is settled: once the peer has this message it may write that
         slot again."""
-        self._rx[peer].release(u)
-        tx = self._tx[peer]
+        c = self.conn
+        c._rx[peer].release(u)
+        tx = c._tx[peer]
         tx.write(u, (t,), t.nbytes)
         return tx.address(u)
 
     def _template(self, table: dict, rows: int, scale_group: int = 0, topk: int = 0):
         """The frame template of rows (in this direction's encoding: its table's)."""
+        c = self.conn
         if rows not in table:
-            table[rows] = frame_template(self.dtype, rows, self.hidden_size, scale_group, topk)
+            table[rows] = frame_template(c.dtype, rows, c.hidden_size, scale_group, topk)
         return table[rows]
 
     def _addresses(self, peer: int) -> tuple[list[int], list[int]] | None:
+        c = self.conn
         addresses = self._slot_addresses.get(peer)
         if addresses is None:
-            tx, rx = self._tx.get(peer), self._rx.get(peer)
+            tx, rx = c._tx.get(peer), c._rx.get(peer)
             if tx is None or rx is None:
                 return None
             addresses = self._slot_addresses[peer] = (
@@ -75,23 +80,24 @@ class ShmFrames:
                 [rx.address(u) for u in range(rx.count)])
         return addresses
 
-    def _step_frames(self, peer: int, step: wire.StepHeader) -> "StepFrames | None":
+    def step_frames(self, peer: int, step: wire.StepHeader) -> "StepFrames | None":
         """The step's frames on the lane (step_calls.py): each payload in its
         micro-batch's slot; the FFN's exact hidden states taken there without
         a copy."""
-        link = self._streams.get(peer)
+        c = self.conn
+        link = c._streams.get(peer)
         addresses = self._addresses(peer) if type(link) is shm_ring.RingStream else None
         if addresses is None:
             return None
         sends, recvs, routed_frames, ubatches = [], [], [], []
-        hidden, dtype, topk = self.hidden_size, self.dtype, self.routing_topk
-        send_group, receive_group = self.codec.send_scale_group, self.codec.receive_scale_group
+        hidden, dtype, topk = c.hidden_size, c.dtype, c.routing_topk
+        send_group, receive_group = c.codec.send_scale_group, c.codec.receive_scale_group
         # Frames toward the FFN carry routing on MoE layers (gate_on "attention").
-        to_ffn_group = send_group if self.is_attention else receive_group
+        to_ffn_group = send_group if c.is_attention else receive_group
         overhead = link.frame_overhead
         # A device's fp8 and routing are packed and unpacked on it (around the
         # staging), so its frames go as they are: no codec in the C calls.
-        raw = not self._on_host
+        raw = not c._on_host
         for u, rows in enumerate(step.num_tokens):
             out_t = self._template(self._send_templates, rows, send_group)
             in_t = self._template(self._recv_templates, rows, receive_group)
@@ -105,11 +111,11 @@ class ShmFrames:
             # The FFN's hidden states: a view of the slot (exact; taken without a
             # copy) or the buffer the C call unpacks fp8 into.
             view, into = None, 0
-            if not self.is_attention and self._on_host:
+            if not c.is_attention and c._on_host:
                 if in_codec is None:
-                    view = self._rx[peer].view(u, dtype, shape)
+                    view = c._rx[peer].view(u, dtype, shape)
                 else:
-                    view = self.codec.unpack_buffer(peer, u, dtype, self.device)[
+                    view = c.codec.unpack_buffer(peer, u, dtype, c.device)[
                         :rows * hidden].view(rows, hidden)
                     into = view.data_ptr()
             routed, routing = 0, None
@@ -122,23 +128,28 @@ class ShmFrames:
                                 codec_spec(dtype, rows, hidden, to_ffn_group, 0, topk))
                 if routed_t is None or routed_codec is False:
                     return None
-                slot = addresses[0 if self.is_attention else 1][u]
+                slot = addresses[0 if c.is_attention else 1][u]
                 routed_frames.append((*routed_t[:4], slot, routed_t[4], routed_codec))
                 routed = routed_t[4] + overhead + len(routed_t[0])
-                if not self.is_attention and raw:  # the routing: views on the device
+                if not c.is_attention and raw:  # the routing: views on the device
                     unstage[1] = (received_frame(dtype, rows, hidden, to_ffn_group, topk, u),
                                   routed_t[4])
-                elif not self.is_attention:
+                elif not c.is_attention:
                     layout = wire.PayloadLayout.of(rows, hidden, dtype, to_ffn_group, topk)
-                    routing = wire.routing_views(self._rx[peer].slot(u)[:layout.total],
+                    routing = wire.routing_views(c._rx[peer].slot(u)[:layout.total],
                                                  layout, rows, topk)
             ubatches.append(Ubatch(rows, hidden, dtype, out_t[4] + overhead + len(out_t[0]),
                                    in_t[4] + overhead + len(in_t[0]), view, into, routed,
                                    routing, topk, tuple(unstage) if any(unstage) else None))
         return link, link.lane, link.spin_ns, sends, recvs, routed_frames, ubatches
 
-    def _staged_target(self, peer: int, u: int) -> int:
+    def clear(self) -> None:
+        """Forget the slots' addresses (the transport is closing)."""
+        self._slot_addresses.clear()
+
+    def staged_target(self, peer: int, u: int) -> int:
         return 0  # a device side's received payload stays in its slot
 
-    def _staged_slots(self, peer: int) -> HostSlots:
-        return self._rx[peer]
+    def staged_slots(self, peer: int) -> HostSlots:
+        c = self.conn
+        return c._rx[peer]

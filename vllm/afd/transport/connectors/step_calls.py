@@ -22,8 +22,8 @@ message end (csrc/cpu/step_calls.cpp, one implementation for both transports):
              wait for a call's hidden states (on shm a view of the slot they
              came in); send its output
 
-What the transport decides is the connector's (_step_frames and the staging
-hooks below): where a frame's payload goes (shm: the micro-batch's slot,
+What the transport decides is its frames object's (self.frames: step_frames
+and the staging calls, below): where a frame's payload goes (shm: the micro-batch's slot,
 where the FFN's exact hidden states are taken without a copy; tcp: straight
 into the caller's tensor or the connector's receive buffer, after the
 connector's frame prefix) and how device tensors are staged through host
@@ -56,12 +56,11 @@ import os
 import torch
 
 from vllm.afd.transport import shm_ring, wire
-from vllm.afd.transport.buffers import HostSlots
 from vllm.afd.transport.connectors.codec import Packed
 from vllm.afd.transport.connectors.prepared import Ubatch, routable
 from vllm.afd.transport.errors import LinkClosed, LinkTimeout, What
 
-# What _step_frames gives: the object the calls keep alive, the transport (a
+# What frames.step_frames gives: the object the calls keep alive, the transport (a
 # lane's capsule or a socket's descriptor), the spin in ns, and per micro-batch
 # the frames each way (step_calls_prepare's tuples), the routed ones, the
 # Ubatch records.
@@ -72,32 +71,24 @@ class StepCalls:
     """See the module docstring. Mixed into ShmConnector and TcpConnector
     ahead of the protocol classes; keeps a step's prepared calls in its
     PeerStep (peer_step.py: prepared, posted), with the protocol's state
-    there, and needs the hooks below."""
+    there, and places them through the transport's self.frames (below)."""
 
     def _init_step_calls(self) -> None:
         self.fast_calls = 0  # message ends taken by C calls (tests, benchmarks)
         # Host tensors on a host connector: no staging, no slot events to settle.
         self._on_host = self.device.type == "cpu"
 
-    # ---------------------------------------------------- the transport's part
-    def _step_frames(self, peer: int, step: wire.StepHeader) -> "StepFrames | None":
-        """The step's frames with peer (see StepFrames), or None: this step
-        goes the general way."""
-        raise NotImplementedError
-
-    def _staged_source(self, peer: int, u: int, t: torch.Tensor) -> int:
-        """A device tensor's bytes in this side's host slot u, landed: the
-        address a prepared post sends from."""
-        raise NotImplementedError
-
-    def _staged_target(self, peer: int, u: int) -> int:
-        """Where a device side's prepared receive puts the payload (0: it stays
-        where the transport left it), once the last copy out of it is done."""
-        raise NotImplementedError
-
-    def _staged_slots(self, peer: int) -> HostSlots:
-        """The host slots a device side's received payloads are read from."""
-        raise NotImplementedError
+    # The transport's part is an object the connector holds, self.frames
+    # (shm_frames.py, tcp_frames.py), with four methods:
+    #   step_frames(peer, step) -> StepFrames | None: the step's frames with
+    #       peer (see StepFrames), or None: this step goes the general way;
+    #   staged_source(peer, u, t) -> int: a device tensor's bytes in this
+    #       side's host slot u, landed: the address a prepared post sends from;
+    #   staged_target(peer, u) -> int: where a device side's prepared receive
+    #       puts the payload (0: it stays where the transport left it), once
+    #       the last copy out of it is done;
+    #   staged_slots(peer) -> HostSlots: the host slots a device side's
+    #       received payloads are read from.
 
     # ------------------------------------------------------------- preparing
     def _prepared_enabled(self) -> bool:
@@ -117,7 +108,7 @@ class StepCalls:
             return
         if not self._prepared_enabled() or self._failure is not None or not self._connected:
             return
-        frames = self._step_frames(peer, step)
+        frames = self.frames.step_frames(peer, step)
         if frames is None:
             return
         owner, transport, spin_ns, sends, recvs, routed, ubatches = frames
@@ -171,7 +162,7 @@ class StepCalls:
         staged, posted. False: nothing sent."""
         if routing is not None and not (ub.routed and routable(*routing, ub, t.device)):
             return False
-        src = self._staged_source(peer, u, self.codec.encode(peer, u, t, routing))
+        src = self.frames.staged_source(peer, u, self.codec.encode(peer, u, t, routing))
         # Any routing address selects the routed frame; a raw frame's routing
         # is in its payload, at src.
         status = C.step_calls_post(calls, u, layer_id, src, *((src, src) if routing else ()))
@@ -215,7 +206,7 @@ class StepCalls:
             step.posted[ubatch_id] = layer_id
             return
         else:
-            src = self._staged_source(0, ubatch_id, h)
+            src = self.frames.staged_source(0, ubatch_id, h)
         if routing is None:
             status = C.step_calls_post(calls, ubatch_id, layer_id, src)
             sent = ub.sent
@@ -254,15 +245,15 @@ class StepCalls:
             self.bytes_received += ub.received
             self.fast_calls += 1
             status = C.step_calls_take(calls, ubatch_id, layer_id, out.data_ptr() if on_host
-                                       else self._staged_target(0, ubatch_id))
+                                       else self.frames.staged_target(0, ubatch_id))
             if status == 1:
                 if not on_host:  # staged: from the slot on the caller's stream
                     unstage = ub.unstage
                     if unstage is None:
-                        self._staged_slots(0).read(ubatch_id, self.dtype, ub.shape, out)
+                        self.frames.staged_slots(0).read(ubatch_id, self.dtype, ub.shape, out)
                     else:
-                        self.codec.decode_staged(self._staged_slots(0), 0, ubatch_id, unstage[0],
-                                            out)
+                        self.codec.decode_staged(self.frames.staged_slots(0), 0, ubatch_id,
+                                                 unstage[0], out)
                 return out
             self.bytes_received -= ub.received
             self.fast_calls -= 1
@@ -290,7 +281,7 @@ class StepCalls:
         calls, C, ubatches = prepared
         ub = ubatches[ubatch_id]
         view = ub.view  # a host FFN's: where its hidden states are taken
-        target = ub.into if view is not None else self._staged_target(peer, ubatch_id)
+        target = ub.into if view is not None else self.frames.staged_target(peer, ubatch_id)
         # The receive's bookkeeping as if it will succeed (undone below when it
         # does not): after the receive, only the return stands between it and
         # the next mlp.
@@ -311,10 +302,10 @@ class StepCalls:
                 # A device's fp8 or routed frame: decoded there (the routing
                 # viewed in the device's copy of the payload).
                 h, routings[ubatch_id] = self.codec.decode_staged(
-                    self._staged_slots(peer), peer, ubatch_id, unstage[status - 1])
+                    self.frames.staged_slots(peer), peer, ubatch_id, unstage[status - 1])
                 return h
             # On a device: copied from the slot on this side's stream.
-            return view if view is not None else self._staged_slots(peer).read(
+            return view if view is not None else self.frames.staged_slots(peer).read(
                 ubatch_id, self.dtype, ub.shape)
         del awaiting[ubatch_id]
         del routings[ubatch_id]
@@ -343,9 +334,10 @@ class StepCalls:
         elif self.codec.send_scale_group:  # fp8: packed on the device, then staged
             if self._on_host:  # a device tensor on a host connector: the general way
                 return super().reply_call(peer, layer_id, ubatch_id, out)
-            src = self._staged_source(peer, ubatch_id, self.codec.encode(peer, ubatch_id, out, None))
+            src = self.frames.staged_source(peer, ubatch_id,
+                                            self.codec.encode(peer, ubatch_id, out, None))
         else:
-            src = self._staged_source(peer, ubatch_id, out)
+            src = self.frames.staged_source(peer, ubatch_id, out)
         status = C.step_calls_post(calls, ubatch_id, layer_id, src)
         if status:
             self._not_sent(peer, status, layer_id, ubatch_id, "output")

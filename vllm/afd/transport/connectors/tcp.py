@@ -355,11 +355,11 @@ class SocketConnector(AFDConnector):
             table.clear()
 
 
-class TcpConnector(TcpFrames, StepCalls, SocketConnector):
+class TcpConnector(StepCalls, SocketConnector):
     """The tcp connector: payloads on the socket, a step's layer calls in one C
     call per message end (step_calls.py, tcp_frames.py)."""
 
     def __init__(self, afd_config, **kwargs) -> None:
         super().__init__(afd_config, **kwargs)
         self._init_step_calls()
-        self._init_tcp_frames()
+        self.frames = TcpFrames(self)

@@ -21,9 +21,9 @@ and waits for the copy (the frame goes out from the slot), the receiver
 settles the last copy out of its slot (HostSlots.release), receives into it,
 and copies it to the device on the consumer's stream.
 
-Mixed into TcpConnector (tcp.py) ahead of StepCalls and SocketConnector; the
-shm and nccl connectors, whose payloads do not travel on the socket, derive
-from SocketConnector without it.
+An object TcpConnector (tcp.py) holds as its frames (step_calls.py names the
+four methods StepCalls uses); the shm and nccl connectors, whose payloads do
+not travel on the socket, derive from SocketConnector without it.
 """
 
 import torch
@@ -51,35 +51,38 @@ def socket_frame_template(dtype: torch.dtype, rows: int, hidden: int, scale_grou
 
 
 class TcpFrames:
-    """See the module docstring. Needs, from SocketConnector: _streams (SocketLinks
-    once connected: their socket, spin and frame prefix), _rx_buffer,
-    _typed_view, _staging."""
+    """See the module docstring. Reads, from its TcpConnector: _streams
+    (SocketStreams once connected: their socket, spin and frame prefix),
+    _rx_buffer, _typed_view, _staging, the codec and the connector's sizes."""
 
-    def _init_tcp_frames(self) -> None:
+    def __init__(self, conn) -> None:
+        self.conn = conn
         # (rows, scale group, topk) -> template, or None: the general way
         self._socket_templates: dict[tuple[int, int, int], tuple | None] = {}
 
     def _socket_template(self, rows: int, scale_group: int, prefix, topk: int = 0):
+        c = self.conn
         key = (rows, scale_group, topk)
         if key not in self._socket_templates:
             self._socket_templates[key] = socket_frame_template(
-                self.dtype, rows, self.hidden_size, scale_group, prefix, topk)
+                c.dtype, rows, c.hidden_size, scale_group, prefix, topk)
         return self._socket_templates[key]
 
-    def _step_frames(self, peer: int, step: wire.StepHeader) -> "StepFrames | None":
+    def step_frames(self, peer: int, step: wire.StepHeader) -> "StepFrames | None":
         """The step's frames on the socket (see the module docstring)."""
-        link = self._streams.get(peer)
+        c = self.conn
+        link = c._streams.get(peer)
         if getattr(link, "sock", None) is None:
             return None
         sends, recvs, routed_frames, ubatches = [], [], [], []
-        hidden, dtype, host = self.hidden_size, self.dtype, torch.device("cpu")
-        topk, attention = self.routing_topk, self.is_attention
-        send_group, receive_group = self.codec.send_scale_group, self.codec.receive_scale_group
+        hidden, dtype, host = c.hidden_size, c.dtype, torch.device("cpu")
+        topk, attention = c.routing_topk, c.is_attention
+        send_group, receive_group = c.codec.send_scale_group, c.codec.receive_scale_group
         # Frames toward the FFN carry routing on MoE layers (gate_on "attention").
         to_ffn_group = send_group if attention else receive_group
         # A device's fp8 and routing are packed and unpacked on it (around the
         # staging), so its frames go as they are: no codec, no buffers here.
-        raw = not self._on_host
+        raw = not c._on_host
         for u, rows in enumerate(step.num_tokens):
             out_t = self._socket_template(rows, send_group, link.prefix)
             in_t = self._socket_template(rows, receive_group, link.prefix)
@@ -94,10 +97,10 @@ class TcpFrames:
             # and unpacked from it. The FFN's exact hidden states are received
             # straight into that buffer. Each allocated only where a frame
             # needs it (a pack buffer is max_bytes).
-            pack = (self.codec.pack_target(peer, u, max(out_t[4], routed_t[4] if topk else 0),
+            pack = (c.codec.pack_target(peer, u, max(out_t[4], routed_t[4] if topk else 0),
                                       host).data_ptr()
                     if not raw and (send_group or (topk and attention)) else 0)
-            rx = (self._rx_buffer(key, max(in_t[4], routed_t[4] if topk else 0))
+            rx = (c._rx_buffer(key, max(in_t[4], routed_t[4] if topk else 0))
                   if not raw and (receive_group or not attention) else None)
             received_at = 0 if rx is None else rx.data_ptr()
             out_codec = None if raw else codec_spec(dtype, rows, hidden, send_group, pack)
@@ -114,9 +117,9 @@ class TcpFrames:
             # The FFN's hidden states: received into its receive buffer (exact)
             # or unpacked from there into its unpack buffer (fp8).
             view, routing, routed = None, None, 0
-            if not attention and self._on_host:
-                view = (self._typed_view(key, rx, dtype, shape)
-                        if in_codec is None else self.codec.unpack_buffer(
+            if not attention and c._on_host:
+                view = (c._typed_view(key, rx, dtype, shape)
+                        if in_codec is None else c.codec.unpack_buffer(
                             peer, u, dtype, host)[:rows * hidden].view(rows, hidden))
             # Raw received frames that need the device to decode them: fp8.
             unstage = [(received_frame(dtype, rows, hidden, receive_group, 0, u), in_t[4])
@@ -142,20 +145,23 @@ class TcpFrames:
             return None
         return sock, fd, int(link.spin_s * 1e9), sends, recvs, routed_frames, ubatches
 
-    def _staged_source(self, peer: int, u: int, t: torch.Tensor) -> int:
+    def staged_source(self, peer: int, u: int, t: torch.Tensor) -> int:
         """A device tensor's bytes in this side's pinned slot u, landed: the
         address a prepared post sends from."""
-        staging = self._staging(self._tx_staging, peer)
+        c = self.conn
+        staging = c._staging(c._tx_staging, peer)
         staging.write(u, (t,), t.nbytes)
         return staging.address(u)
 
-    def _staged_target(self, peer: int, u: int) -> int:
+    def staged_target(self, peer: int, u: int) -> int:
         """The address a staged receive writes, once the last copy out of
         that slot has read it."""
-        staging = self._staging(self._rx_staging, peer)
+        c = self.conn
+        staging = c._staging(c._rx_staging, peer)
         staging.release(u)
         return staging.address(u)
 
 
-    def _staged_slots(self, peer: int) -> HostSlots:
-        return self._rx_staging[peer]
+    def staged_slots(self, peer: int) -> HostSlots:
+        c = self.conn
+        return c._rx_staging[peer]
