@@ -173,27 +173,24 @@ def dummy_step(vllm_config, is_profile: bool, is_graph_capturing: bool):
 def step_scope(execute_model):
     """Decorates V2's execute_model: the AFD step begun inside it (begin_step)
     ends with it, as failed when it raised."""
-
-    @functools.wraps(execute_model)
-    def wrapper(runner, *args, **kwargs):
-        if _afd(runner.vllm_config) is None:
-            return execute_model(runner, *args, **kwargs)
-        from vllm.afd.adapter.attention.runner_v2 import in_step_scope
-
-        return in_step_scope(execute_model, runner, *args, **kwargs)
-    return wrapper
+    return _runner_v2_scope(execute_model, "in_step_scope")
 
 
 def capture_scope(capture_model):
     """Decorates V2's capture_model: a capture run, which never touches the link."""
+    return _runner_v2_scope(capture_model, "in_capture_scope")
 
-    @functools.wraps(capture_model)
+
+def _runner_v2_scope(method, scope: str):
+    """method of V2's runner, run inside runner_v2's scope (its name) when AFD is on."""
+
+    @functools.wraps(method)
     def wrapper(runner, *args, **kwargs):
         if _afd(runner.vllm_config) is None:
-            return capture_model(runner, *args, **kwargs)
-        from vllm.afd.adapter.attention.runner_v2 import in_capture_scope
+            return method(runner, *args, **kwargs)
+        from vllm.afd.adapter.attention import runner_v2
 
-        return in_capture_scope(capture_model, runner, *args, **kwargs)
+        return getattr(runner_v2, scope)(method, runner, *args, **kwargs)
     return wrapper
 
 
