@@ -2,14 +2,17 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """AFDConnector: how an attention rank and its FFN server exchange hidden states.
 
-One connector object per rank and role, made of three parts:
+One connector object per rank and role:
 
-- the per-role protocol state: attention_side.py (send_step, send_hidden,
-  recv_output) and ffn_side.py (recv_step, recv_hidden, routing, send_output);
-- the handshake and authentication (../handshake.py), an object it holds
-  (self.handshake);
+- the per-role protocol, its methods: attention_side.py (send_step,
+  send_hidden, recv_output, the step channel's send_call/recv_call) and
+  ffn_side.py (recv_step, recv_hidden, routing, send_output, take_call/
+  reply_call);
 - the transport hooks a concrete connector implements (hooks.py): shm, tcp,
-  loopback, nccl, or any registered one.
+  loopback, nccl, or any registered one;
+- objects it holds: self.handshake (../handshake.py: the handshake and
+  authentication, their counters), self.codec (codec.py: how payloads become
+  bytes) and self._steps (peer_step.py: each peer's current step).
 
 This file holds what they share: construction, lifecycle, and the message
 helpers every check goes through.
