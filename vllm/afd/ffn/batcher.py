@@ -89,7 +89,8 @@ class _Call:
 
 class LayerBatcher:
     """run_mlp(layer, x) computes a batch; run_mlp(layer, x, routing) when the
-    calls came with routing."""
+    calls came with routing; run_mlp(layer, x, routing, reply) for a lone
+    call that replies: run_mlp calls reply(out) as soon as out exists."""
 
     def __init__(self, run_mlp: Callable[..., torch.Tensor], max_tokens: int,
                  window_s: float = DEFAULT_WINDOW_S, *, role: str = "alone",
@@ -187,26 +188,29 @@ class LayerBatcher:
         other peers' calls of the layer. reply(out), when given, is called
         with it as soon as it exists: for a lone peer before any of the
         batcher's bookkeeping (the attention side waits on nothing else)."""
-        rows = h.shape[0]
-        if rows > self.max_tokens:  # the connector's checks make this impossible
-            raise ValueError(f"AFD FFN: a call of {rows} tokens from attention rank "
-                             f"{peer}; the FFN is sized for {self.max_tokens}")
         if self.role == "alone" and self.enter_alone(peer):
             # A lone peer's call (nobody else inside a step, nothing pending or
             # computing) runs at once, without a _Call, the wait or the
             # grouping: each costs tens of microseconds on a cold cache, per
-            # layer call.
+            # layer call. Its size is read after the reply: a tensor's
+            # attribute costs a microsecond there too (the connector's checks
+            # bound it by max_tokens).
             ran = False
             try:
                 x = h if type(h) is torch.Tensor else gather([h])
-                out = (self.run_mlp(layer, x) if routing is None
-                       else self.run_mlp(layer, x, routing))
+                if reply is not None:  # run_mlp replies before its bookkeeping
+                    out = self.run_mlp(layer, x, routing, reply)
+                else:
+                    out = (self.run_mlp(layer, x) if routing is None
+                           else self.run_mlp(layer, x, routing))
                 ran = True
-                if reply is not None:
-                    reply(out)
             finally:
-                self.leave_alone(rows, ran)
+                self.leave_alone(x.shape[0] if ran else 0, ran)
             return out
+        rows = h.shape[0]
+        if rows > self.max_tokens:  # the connector's checks make this impossible
+            raise ValueError(f"AFD FFN: a call of {rows} tokens from attention rank "
+                             f"{peer}; the FFN is sized for {self.max_tokens}")
         call = _Call(layer, h, peer, routing)
         out = self._follow(call) if self.role == "follower" else self._join(call)
         if reply is not None:
