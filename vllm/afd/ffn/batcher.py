@@ -205,7 +205,7 @@ class LayerBatcher:
                            else self.run_mlp(layer, x, routing))
                 ran = True
             finally:
-                self.leave_alone(x.shape[0] if ran else 0, ran)
+                self.leave_alone(len(x) if ran else 0, ran)
             return out
         rows = h.shape[0]
         if rows > self.max_tokens:  # the connector's checks make this impossible

@@ -381,7 +381,7 @@ class FFNLoop:
         self.compute.compute_s += t1 - t0
         # Into the histograms when the step ends (fold_observed): two calls
         # fewer per layer call.
-        self._observed.append((t1 - t0, h.shape[0]))
+        self._observed.append((t1 - t0, len(h)))  # len: a C slot, not a Size built
         return out
 
     def fold_observed(self) -> None:
