@@ -50,8 +50,10 @@ def enqueue_ffn_step(ffn, step_id, num_ubatches, layers=LAYERS):
 
 def enqueue_attention_step(attn, step_id, hidden, layers=LAYERS):
     """The attention side: per layer, each micro-batch's call, then its
-    output (into hidden, as the next layer's input)."""
-    attn.begin_step(step_id)
+    output (into hidden, as the next layer's input). step_id None: the step
+    was begun already (a graph being captured cannot begin it)."""
+    if step_id is not None:
+        attn.begin_step(step_id)
     out = [torch.empty_like(h) for h in hidden]
     for layer in range(layers):
         for u, h in enumerate(hidden):
@@ -68,6 +70,15 @@ def expected(hidden, layers=LAYERS):
     return result
 
 
+def finish(attn, ffn, hidden, want):
+    """Both streams idle, the step ran through, the model's answers came back."""
+    attn.stream.synchronize()
+    ffn.stream.synchronize()
+    assert attn.outcome() is None and ffn.outcome() is None
+    for got, w in zip(hidden, want):
+        torch.testing.assert_close(got, w, rtol=0, atol=0)
+
+
 def inputs(num_ubatches, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(ROWS, HIDDEN, generator=g) for _ in range(num_ubatches)]
@@ -81,11 +92,7 @@ def test_layer_calls_give_the_model_s_answers(num_ubatches):
         want = expected(hidden)
         enqueue_ffn_step(ffn, step, num_ubatches)
         enqueue_attention_step(attn, step, hidden)
-        attn.stream.synchronize()
-        ffn.stream.synchronize()
-        assert attn.outcome() is None and ffn.outcome() is None
-        for got, w in zip(hidden, want):
-            torch.testing.assert_close(got, w, rtol=0, atol=0)
+        finish(attn, ffn, hidden, want)
 
 
 def test_step_ids_wrap_at_32_bits():
@@ -95,9 +102,7 @@ def test_step_ids_wrap_at_32_bits():
         want = expected(hidden, layers=2)
         enqueue_ffn_step(ffn, step, 1, layers=2)
         enqueue_attention_step(attn, step, hidden, layers=2)
-        attn.stream.synchronize()
-        assert attn.outcome() is None and ffn.outcome() is None
-        torch.testing.assert_close(hidden[0], want[0], rtol=0, atol=0)
+        finish(attn, ffn, hidden, want)
 
 
 @pytest.mark.parametrize("fenced", [True, False])
@@ -192,13 +197,7 @@ def test_a_captured_step_replays_with_new_inputs_and_new_step_ids():
             attn.begin_step(0)
         with pytest.raises(RuntimeError, match="during a capture"):
             attn.outcome()
-        out = [torch.empty_like(h) for h in hidden]
-        for layer in range(LAYERS):
-            for u, h in enumerate(hidden):
-                attn.post(u, layer, h)
-            for u, h in enumerate(hidden):
-                attn.take_into(u, layer, out[u])
-                kernel(attn.stream, lambda h=h, o=out[u]: h.copy_(o + 1))
+        enqueue_attention_step(attn, None, hidden)
     assert attn.stream.executed == 0  # captured, not run
     for step in (10, 11, 12):
         fresh = inputs(2, step)
@@ -208,10 +207,7 @@ def test_a_captured_step_replays_with_new_inputs_and_new_step_ids():
         enqueue_ffn_step(ffn, step, 2)
         attn.begin_step(step)
         graph.replay()
-        attn.stream.synchronize()
-        assert attn.outcome() is None and ffn.outcome() is None
-        for got, w in zip(hidden, want):
-            torch.testing.assert_close(got, w, rtol=0, atol=0)
+        finish(attn, ffn, hidden, want)
 
 
 def test_post_and_take_alternate_per_micro_batch():
