@@ -26,12 +26,12 @@ the step does nothing; the link then fails the step over or fails it.
 
 import torch
 
+from vllm.afd.transport.config import ROLES
 from vllm.afd.transport.ipc.layout import (ABORT, ABORT_REASONS, ABORT_RELEASED, CLEAR, IDLE,
                                            MODE, NOT_ABORTED, READY, RECORD_LAYER, RECORD_ROWS,
                                            RECORD_STEP, RUN, STEP, Region, step_word)
 from vllm.afd.transport.ipc.stream import Stream
 
-ROLES = ("attention", "ffn")
 
 
 class Exchange:
