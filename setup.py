@@ -124,7 +124,8 @@ def extensions():
         define_macros=[("Py_LIMITED_API", "0x03080000")],
         extra_compile_args={"cxx": ["-O3", "-std=c++17"]},
         # An edited header rebuilds what includes it (an incremental build_ext).
-        depends=sorted(glob.glob("csrc/*.h") + glob.glob("csrc/cpu/*.h")),
+        depends=sorted(glob.glob("csrc/*.h") + glob.glob("csrc/cpu/*.h")
+                       + glob.glob("csrc/cuda/*.cuh")),
     )
     build_cuda = os.environ.get("VLLM_AFD_BUILD_CUDA", "1") != "0"
     toolchain = os.environ.get("VLLM_AFD_CUDA_TOOLCHAIN")

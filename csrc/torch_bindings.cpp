@@ -8,6 +8,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "ipc.h"
 #include "pack.h"
 
 namespace afd {
@@ -61,6 +62,53 @@ PackLayout check_pack_args(const at::Tensor& hidden,
   return layout;
 }
 
+namespace ipc {
+namespace {
+
+void check_words(const char* op, const char* name, const at::Tensor& t, int64_t n,
+                 const at::Tensor& like) {
+  TORCH_CHECK(t.scalar_type() == at::kInt && t.dim() == 1 && t.numel() == n && t.is_contiguous(),
+              op, ": ", name, " must be ", n, " contiguous int32 words, got ", t.scalar_type(),
+              " ", t.sizes());
+  TORCH_CHECK(t.device() == like.device(), op, ": ", name, " is on ", t.device(),
+              ", expected ", like.device());
+}
+
+}  // namespace
+
+void check_post_args(const at::Tensor& control, const at::Tensor& src, const at::Tensor& dst,
+                     const at::Tensor& record, const at::Tensor& flag, int64_t rows,
+                     int64_t topk) {
+  const char* op = "afd::ipc_post";
+  TORCH_CHECK(rows >= 0 && topk >= 0, op, ": rows and topk must be >= 0, got ", rows, ", ",
+              topk);
+  TORCH_CHECK(src.is_contiguous(), op, ": src must be contiguous, got strides ",
+              src.strides());
+  TORCH_CHECK(dst.is_contiguous() && dst.scalar_type() == src.scalar_type() &&
+                  dst.numel() == src.numel(),
+              op, ": dst (", dst.scalar_type(), " ", dst.sizes(),
+              ") must be a contiguous tensor of src's dtype and size (", src.scalar_type(), " ",
+              src.sizes(), ")");
+  TORCH_CHECK(dst.device() == src.device(), op, ": dst is on ", dst.device(), ", src on ",
+              src.device());
+  check_words(op, "control", control, kControlWords, src);
+  check_words(op, "record", record, kRecordWords, src);
+  check_words(op, "flag", flag, 1, src);
+}
+
+void check_take_args(const at::Tensor& control, const at::Tensor& mirror,
+                     const at::Tensor& flag, const at::Tensor& record, int64_t rows,
+                     double deadline_s) {
+  const char* op = "afd::ipc_take";
+  check_words(op, "flag", flag, 1, flag);
+  check_words(op, "control", control, kControlWords, flag);
+  check_words(op, "mirror", mirror, 1, flag);
+  check_words(op, "record", record, kRecordWords, flag);
+  TORCH_CHECK(rows >= 0, op, ": rows must be >= 0, got ", rows);
+  TORCH_CHECK(deadline_s > 0, op, ": deadline_s must be > 0, got ", deadline_s);
+}
+
+}  // namespace ipc
 }  // namespace afd
 
 TORCH_LIBRARY(afd, m) {
@@ -79,6 +127,31 @@ TORCH_LIBRARY(afd, m) {
   m.def("cpu_isa() -> str");
   m.def("cpu_isas() -> str[]");
   m.def("set_cpu_isa(str isa) -> str");
+  // The device-resident exchange (ipc.h, vllm/afd/transport/ipc/stream.py):
+  // a layer call's two stream operations, each a no-op once control says IDLE
+  // or aborted. control: this side's 3 words (mode, abort, step); mirror: the
+  // abort word's mirror that the host writes while a take waits (only a take
+  // polls it; an abort goes to both); dst, record
+  // and flag of a post are the peer's, flag and record of a take this side's;
+  // rows: the call's token rows (the record's size check; a packed payload's
+  // bytes are not rows x hidden); topk: the routing width packed with it (0:
+  // none), which the consumer reads from the record after the take.
+  m.def(
+      "ipc_post(Tensor(a!) control, Tensor src, Tensor(b!) dst, Tensor(c!) record, "
+      "Tensor(d!) flag, int layer, int rows, int topk) -> ()");
+  m.def(
+      "ipc_take(Tensor(a!) control, Tensor(b!) mirror, Tensor(c!) flag, Tensor record, "
+      "int layer, int rows, float deadline_s) -> ()");
+  // CUDA only: the exchange's memory. ipc_alloc: nbytes of zeroed device memory
+  // on like's device, outside torch's caching allocator; ipc_handle: its CUDA
+  // IPC handle (uint8 bytes, on the CPU); ipc_open: a peer's memory from its
+  // handle, mapped on like's device; ipc_mapped: a pinned host tensor as a
+  // tensor on like's device (the same memory: the host writes it while a
+  // kernel waits).
+  m.def("ipc_alloc(Tensor like, int nbytes) -> Tensor");
+  m.def("ipc_handle(Tensor memory) -> Tensor");
+  m.def("ipc_open(Tensor handle, Tensor like, int nbytes) -> Tensor");
+  m.def("ipc_mapped(Tensor host, Tensor like) -> Tensor");
 }
 
 // `import vllm.afd._C` loads this library (and with it the registrations

@@ -34,6 +34,7 @@
 #include <type_traits>
 
 #include "../pack.h"
+#include "copy_bytes.cuh"
 
 namespace afd {
 namespace {
@@ -71,22 +72,6 @@ __device__ __forceinline__ uint32_t load_u32(const uint8_t* p, bool aligned) {
 #pragma unroll
   for (int b = 0; b < 4; ++b) v |= static_cast<uint32_t>(p[b]) << (8 * b);
   return v;
-}
-
-// n bytes from src to dst; 16-byte words when both are 16-byte aligned.
-template <bool kWide>
-__device__ __forceinline__ void copy_bytes(uint8_t* __restrict__ dst,
-                                           const uint8_t* __restrict__ src, int64_t n,
-                                           int64_t tid, int64_t stride) {
-  int64_t done = 0;
-  if (kWide) {
-    const int64_t words = n / 16;
-    const uint4* s = reinterpret_cast<const uint4*>(src);
-    uint4* d = reinterpret_cast<uint4*>(dst);
-    for (int64_t i = tid; i < words; i += stride) d[i] = s[i];
-    done = words * 16;
-  }
-  for (int64_t i = done + tid; i < n; i += stride) dst[i] = src[i];
 }
 
 // The padding between the hidden bytes and the tail: zero, so the same tensors

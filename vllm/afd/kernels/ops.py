@@ -113,6 +113,16 @@ def _register_fakes() -> None:
     def _unpack_fake(slot, group_size: int, hidden, topk_ids, topk_weights) -> None:
         return None
 
+    @torch.library.register_fake("afd::ipc_post")
+    def _ipc_post_fake(control, src, dst, record, flag, layer: int, rows: int,
+                       topk: int) -> None:
+        return None
+
+    @torch.library.register_fake("afd::ipc_take")
+    def _ipc_take_fake(control, mirror, flag, record, layer: int, rows: int,
+                       deadline_s: float) -> None:
+        return None
+
 
 def cpu_isa() -> str:
     """The instruction set of the CPU pack/unpack kernels: "avx512", "avx2" or
