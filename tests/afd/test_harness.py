@@ -78,7 +78,7 @@ def test_gpu_check_passes_on_cpu(data_plane_tree, kernel_paths):
                       "harness-shm-routed", "harness-shm-fp8", "harness-tcp-routed-fp8",
                       "harness-tcp-routed",
                       "dummy-runs", "threads",
-                      "ffn-errors"}, report
+                      "ffn-errors", "ipc"}, report
     for name in ("kernels-pack", "stream-order", "graphs"):
         assert report[name]["status"] == "skip" and "CUDA" in report[name]["detail"]
     for name in ("harness-loopback", "harness-shm", "harness-tcp"):

@@ -5,14 +5,13 @@ the CPU stands in for a GPU, which cannot exist here.
 
 Operations run in order on a thread of their own, as a stream runs them after
 the host enqueued them. What a GPU does that could hide a bug is made to
-happen: with `deferred_s` > 0 a payload copy (and a copied word) becomes
-visible to the peer that much later unless a store (the release) drains it
-first, as unfenced writes may; the stream's own later operations see it (a
-copy, a kernel or a check drains first: same-stream order). A wait polls the
-word the peer writes. capture()
-records operations into a graph instead of running them; replay() runs them
-again, and the host calls a graph must not contain (set_word, read_word)
-raise during a capture.
+happen: with `deferred_s` > 0 a post's payload and record become visible to
+the peer that much later unless the flag's store (the release) drains them
+first, as unfenced writes may (fenced_stores=False: a broken device whose
+flag does not wait); the stream's own later operations see them (same-stream
+order). A take polls the flag the peer writes. capture() records operations
+into a graph instead of running them; replay() runs them again, and the host
+calls a graph must not contain (set_word, read_word) raise during a capture.
 """
 
 import contextlib
@@ -22,8 +21,9 @@ import time
 
 import torch
 
-from vllm.afd.transport.ipc.layout import (ABORT, ABORT_MISMATCH, ABORT_TIMEOUT, MODE,
-                                           NOT_ABORTED, RECORD_LAYER, RECORD_STEP, RUN)
+from vllm.afd.transport.ipc.layout import (ABORT, ABORT_MISMATCH, ABORT_TIMEOUT, CLEAR, MODE,
+                                           NOT_ABORTED, READY, RECORD_LAYER, RECORD_ROWS,
+                                           RECORD_STEP, RUN, STEP)
 
 POLL_S = 0.0002
 
@@ -40,8 +40,8 @@ class FakeGraph:
 class FakeStream:
     def __init__(self, control: torch.Tensor, deferred_s: float = 0.0,
                  fenced_stores: bool = True) -> None:
-        """control: this side's control words (layout.Region.control).
-        fenced_stores False is a broken device (its stores do not wait for
+        """control: this side's control words (every operation is skipped
+        once they say IDLE or aborted). fenced_stores False is a broken device (its stores do not wait for
         earlier writes): for negative controls."""
         self.control, self.deferred_s, self.fenced_stores = control, deferred_s, fenced_stores
         self._queue: queue.Queue = queue.Queue()
@@ -71,54 +71,61 @@ class FakeStream:
         if self.errors:
             raise self.errors[0]
 
-    def set_word(self, word: torch.Tensor, value: int) -> None:
+    def set_word(self, control: torch.Tensor, index: int, value: int) -> None:
         self._no_capture("set_word")
 
         def op():
-            word[0] = value
+            control[index] = value
         self._queue.put(op)
 
-    def signal(self, word: torch.Tensor, value: int) -> None:
-        word[0] = value  # at once, from any thread
+    def signal(self, control: torch.Tensor, index: int, value: int) -> None:
+        control[index] = value  # at once, from any thread
 
-    def read_word(self, word: torch.Tensor) -> int:
+    def read_word(self, control: torch.Tensor, index: int) -> int:
         self._no_capture("read_word")
         self.synchronize()
-        return int(word[0])
+        return int(control[index])
 
     # ------------------------------------------------------------ operations
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self._enqueue(lambda: self._write(dst, src.clone()), reads=True)
+        self._enqueue(lambda: dst.copy_(src), reads=True)
 
-    def copy_word(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self._enqueue(lambda: self._write(dst, src.clone()), reads=True)
-
-    def store(self, dst: torch.Tensor, values: tuple[int, ...]) -> None:
+    def post(self, control: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+             record: torch.Tensor, flag: torch.Tensor, layer: int, rows: int,
+             topk: int = 0) -> None:
         def op():
+            self._write(dst, src.clone())
+            self._write(record, torch.tensor([int(control[STEP]), layer, rows, topk],
+                                             dtype=torch.int32))
             if self.fenced_stores:
                 self._drain()
-            dst.copy_(torch.tensor(values, dtype=dst.dtype))
-        self._enqueue(op)
+            flag[0] = READY
+        self._enqueue(op, reads=True)
 
-    def wait(self, flag: torch.Tensor, value: int, deadline_s: float) -> None:
+    def take(self, control: torch.Tensor, mirror: torch.Tensor, flag: torch.Tensor,
+             record: torch.Tensor, layer: int, rows: int, deadline_s: float) -> None:
+        def abort(why: int) -> None:
+            control[ABORT] = why
+            mirror[0] = why
+
         def op():
             deadline = time.monotonic() + deadline_s
-            while int(flag[0]) != value:
+            while int(flag[0]) != READY:
+                if int(mirror[0]) != NOT_ABORTED:  # the host's release
+                    abort(int(mirror[0]))
                 if self._stopped():
                     return
                 if time.monotonic() > deadline:
-                    self.control[ABORT] = ABORT_TIMEOUT
+                    abort(ABORT_TIMEOUT)
                     return
                 time.sleep(POLL_S)
-        self._enqueue(op)
-
-    def check(self, record: torch.Tensor, step: torch.Tensor,
-              expected: tuple[int, ...]) -> None:
-        def op():
             got = [int(x) for x in record]
-            if got[RECORD_STEP] != int(step[0]) or tuple(got[RECORD_LAYER:]) != expected:
-                self.control[ABORT] = ABORT_MISMATCH
-        self._enqueue(op, reads=True)
+            if (got[RECORD_STEP] != int(control[STEP])
+                    or got[RECORD_LAYER:RECORD_ROWS + 1] != [layer, rows]):
+                abort(ABORT_MISMATCH)
+                return
+            flag[0] = CLEAR
+        self._enqueue(op)
 
     # ------------------------------------------------------------- internals
     def _no_capture(self, what: str) -> None:

@@ -60,7 +60,7 @@ def test_afd_plugin_additional_config_is_mapped():
 @pytest.mark.parametrize("argv, message", [
     (["--afd-config", '{"role": "decoder"}'], "role\n  Input should be 'attention' or 'ffn'"),
     (["--afd-config", '{"connector": "rdma"}'],
-     "AFDConfig.connector: unknown connector 'rdma'; valid names: loopback, nccl, shm, tcp"),
+     "AFDConfig.connector: unknown connector 'rdma'; valid names: ipc, loopback, nccl, shm, tcp"),
     (["--afd-config", '{"port": 70000}'], "AFDConfig.port: 70000 is not in 1-65535"),
     (["--afd-config", '{"num_ubatches": 5}'], "AFDConfig.num_ubatches: 5 is not in 1-4"),
     (["--afd-config", '{"ubatch_policy": "always"}'],

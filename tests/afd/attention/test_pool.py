@@ -32,11 +32,11 @@ from helpers.oracle import COMMON, run_oracle
 FAILOVER_BOUND_S = 1.0  # the issue's bound; the step timeout (timeout_s) is 30 s
 
 
-def _ffn_main(port: int, die_at: int, threads: int, ready, stop) -> None:
+def _ffn_main(port: int, die_at: int, threads: int, ready, stop, connector: str) -> None:
     # The attention side's count: CPU matmuls reduce in another order with
     # another count, and the outputs are compared bit for bit.
     torch.set_num_threads(threads)
-    role = FFNRole("shm", port, "cpu", torch.float32)
+    role = FFNRole(connector, port, "cpu", torch.float32)
     mlps = [layer.mlp for layer in role.model.layers]
     calls = [0]
 
@@ -59,13 +59,13 @@ class FFN:
     """An FFN server process on port (die_at > 0: SIGKILLs itself at that mlp
     call after warm-up)."""
 
-    def __init__(self, die_at: int = 0) -> None:
+    def __init__(self, die_at: int = 0, connector: str = "shm") -> None:
         ctx = multiprocessing.get_context("spawn")
         self.port = free_port()
         self.ready, self.stop_event = ctx.Event(), ctx.Event()
         self.proc = ctx.Process(target=_ffn_main, daemon=True,
                                 args=(self.port, die_at, torch.get_num_threads(), self.ready,
-                                      self.stop_event))
+                                      self.stop_event, connector))
         self.proc.start()
 
     @property
@@ -86,11 +86,12 @@ class FFN:
             self.proc.kill()
 
 
-def pool_role(pool: list[str], pool_file: Path | None = None) -> AttentionRole:
-    config = LinkConfig(role="attention", connector="shm", num_ubatches=MAX_UBATCHES,
+def pool_role(pool: list[str], pool_file: Path | None = None,
+              connector: str = "shm") -> AttentionRole:
+    config = LinkConfig(role="attention", connector=connector, num_ubatches=MAX_UBATCHES,
                         timeout_s=30, ffn_pool=pool,
                         ffn_pool_file=str(pool_file) if pool_file else None)
-    return AttentionRole("shm", 1, "cpu", torch.float32, config=config)
+    return AttentionRole(connector, 1, "cpu", torch.float32, config=config)
 
 
 def wait_for(predicate, what: str, timeout: float = 60) -> None:
@@ -108,8 +109,8 @@ def members(role: AttentionRole) -> dict[str, dict]:
 def ffns(request):
     started: list[FFN] = []
 
-    def start(die_at: int = 0) -> FFN:
-        started.append(FFN(die_at))
+    def start(die_at: int = 0, connector: str = "shm") -> FFN:
+        started.append(FFN(die_at, connector))
         return started[-1]
 
     yield start
@@ -117,16 +118,17 @@ def ffns(request):
         ffn.stop()
 
 
-@pytest.mark.parametrize("num_ubatches", [1, 2])
-def test_a_killed_member_mid_step_changes_no_output(ffns, num_ubatches):
+@pytest.mark.parametrize("num_ubatches, connector", [(1, "shm"), (2, "shm"), (2, "ipc")])
+def test_a_killed_member_mid_step_changes_no_output(ffns, num_ubatches, connector):
     """Round robin sends steps 1, 3, ... to A, which dies at its 5th mlp call
     (3 layers x m micro-batches a step: mid-step 3 with m = 1, mid-step 1 with
     m = 2); that step finishes on B with the reference output, and so do the
-    next ones, all on B."""
-    a, b = ffns(die_at=5), ffns()
+    next ones, all on B. ipc: the attention side's wait on its own memory ends
+    when the connector's watcher sees A's socket hang up."""
+    a, b = ffns(die_at=5, connector=connector), ffns(connector=connector)
     a.wait_ready()
     b.wait_ready()
-    role = pool_role([a.endpoint, b.endpoint])
+    role = pool_role([a.endpoint, b.endpoint], connector=connector)
     try:
         wait_for(lambda: len(role.link.pool.ready_members()) == 2, "both members up")
         for seed in range(6):

@@ -38,6 +38,9 @@ CASES = [
     ("tiny-qwen3-moe", "shm", True, 2, "attention"),
     # tcp's prepared layer calls (step_calls.py, tcp_frames.py), one micro-batch and two.
     ("tiny-qwen3-moe", "tcp", False, 2, "ffn"),
+    # The device-resident connector, the CPU as its device (transport/ipc/),
+    # routing packed into the peer's slot with the MoE layers' calls.
+    ("tiny-qwen3-moe", "ipc", False, 2, "attention"),
 ]
 
 

@@ -36,7 +36,7 @@ from vllm.afd.transport.wire import LayerFrame, StepHeader
 from helpers.connectors import FAKE_NCCL, HIDDEN, MAX_TOKENS, TOPK, Background, connect_pair, ffn_serve, make, raw_frame, read_message, routing_for, serve_one_layer
 from helpers.fp8 import reference_dequantize, reference_quantize
 
-KINDS = ["loopback", "tcp", "shm", "nccl"]
+KINDS = ["loopback", "tcp", "shm", "nccl", "ipc"]
 
 
 def shm_entries(port: int) -> list[str]:
@@ -874,14 +874,14 @@ def test_shm_notify_over_tcp():
 
 # ------------------------------------------------------------------ registry
 def test_registry():
-    assert connector_names() == ["loopback", "nccl", "shm", "tcp"]
+    assert connector_names() == ["ipc", "loopback", "nccl", "shm", "tcp"]
     for kind, cls in [("loopback", LoopbackConnector), ("tcp", TcpConnector),
                       ("shm", ShmConnector), ("nccl", NcclConnector)]:
         conn = make(kind, "attention", 7700)
         assert type(conn) is cls and conn.bytes_sent == conn.bytes_received == 0
     cfg = AFDConfig(connector="tcp")
     with pytest.raises(ValueError, match="unknown AFD connector 'rdma'; valid names: "
-                       "loopback, nccl, shm, tcp"):
+                       "ipc, loopback, nccl, shm, tcp"):
         create_connector(cfg, name="rdma", hidden_size=8, dtype=torch.float32, max_tokens=1)
     with pytest.raises(ValueError, match="package.module:ClassName"):
         register_connector("rdma", "not a target")

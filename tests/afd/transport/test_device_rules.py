@@ -186,7 +186,7 @@ def test_a_staged_send_is_one_copy_that_has_landed_before_the_header(kind, lande
 
 
 # ------------------------------------------------------- received tensors
-@pytest.mark.parametrize("kind", ["shm", "tcp", "loopback", "nccl"])
+@pytest.mark.parametrize("kind", ["shm", "tcp", "loopback", "nccl", "ipc"])
 def test_output_lands_in_the_callers_buffer(kind):
     """recv_output(out=...) writes into the caller's tensor (the remote FFN
     op's output): same storage, the FFN's values, nothing else to copy."""

@@ -258,7 +258,7 @@ def test_refusals_are_bounded():
 TOKEN = "a-shared-secret-" + "7f3a" * 8
 
 
-@pytest.mark.parametrize("kind", ["tcp", "shm", "nccl"])
+@pytest.mark.parametrize("kind", ["tcp", "shm", "nccl", "ipc"])
 def test_same_secret_connects(kind, tmp_path):
     port = free_port()
     ffn = connector("ffn", port, kind=kind, token=TOKEN, tmp_path=tmp_path)

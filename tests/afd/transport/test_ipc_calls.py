@@ -12,21 +12,31 @@ import pytest
 import torch
 
 from vllm.afd.transport.ipc.calls import Exchange
-from vllm.afd.transport.ipc.layout import Layout, Region
+from vllm.afd.transport.ipc.layout import ABORT, CONTROL_WORDS, NOT_ABORTED, Layout, Region
+from vllm.afd.transport.ipc.memory import Control
 from helpers.fake_stream import FakeStream, kernel
 
 HIDDEN, ROWS, LAYERS = 16, 3, 4
 DTYPE = torch.float32
 
 
-def pair(num_ubatches=2, timeout_s=10.0, deferred_s=0.0, fenced_stores=True):
+def cuda_like_control() -> Control:
+    """Control as on CUDA: the abort word's mirror a word of its own (there
+    pinned host memory), apart from the control's abort word."""
+    mirror = torch.zeros(1, dtype=torch.int32)
+    return Control(torch.zeros(CONTROL_WORDS, dtype=torch.int32), mirror, mirror)
+
+
+def pair(num_ubatches=2, timeout_s=10.0, deferred_s=0.0, fenced_stores=True,
+         apart_mirror=False):
     layout = Layout(num_ubatches, ROWS * HIDDEN * DTYPE.itemsize)
     attn_region = Region(torch.zeros(layout.total, dtype=torch.uint8), layout)
     ffn_region = Region(torch.zeros(layout.total, dtype=torch.uint8), layout)
-    streams = [FakeStream(r.control, deferred_s, fenced_stores)
-               for r in (attn_region, ffn_region)]
-    attn = Exchange("attention", streams[0], attn_region, ffn_region, timeout_s)
-    ffn = Exchange("ffn", streams[1], ffn_region, attn_region, timeout_s)
+    controls = [cuda_like_control() if apart_mirror else Control.on(torch.device("cpu"))
+                for _ in range(2)]
+    streams = [FakeStream(c.device, deferred_s, fenced_stores) for c in controls]
+    attn = Exchange("attention", streams[0], controls[0], attn_region, ffn_region, timeout_s)
+    ffn = Exchange("ffn", streams[1], controls[1], ffn_region, attn_region, timeout_s)
     for side in (attn, ffn):
         side.set_mode(True)
         side.stream.synchronize()
@@ -228,7 +238,30 @@ def test_regions_must_fit_and_agree():
     other = Layout(2, 2048)
     a = Region(torch.zeros(layout.total, dtype=torch.uint8), layout)
     b = Region(torch.zeros(other.total, dtype=torch.uint8), other)
+    control = Control.on(torch.device("cpu"))
     with pytest.raises(ValueError, match="layouts differ"):
-        Exchange("attention", FakeStream(a.control), a, b, 1.0)
+        Exchange("attention", FakeStream(control.device), control, a, b, 1.0)
+    short = Control(control.device[:2], control.mirror, control.host)
+    with pytest.raises(ValueError, match="3 int32 words"):
+        Exchange("attention", FakeStream(control.device), short, a, a, 1.0)
     with pytest.raises(ValueError, match="does not fit"):
         a.payload(0, torch.float32, (1024,))
+
+
+def test_aborts_reach_the_host_through_the_mirror():
+    """As on CUDA, the host never reads the control (device memory): the
+    release lands in the mirror while a take waits, a take's own abort (its
+    deadline) is written to the mirror too, begin_step clears both."""
+    attn, _ffn = pair(1, timeout_s=60.0, apart_mirror=True)
+    enqueue_attention_step(attn, 1, inputs(1), layers=2)
+    threading.Timer(0.2, attn.release).start()
+    attn.stream.synchronize(timeout=10.0)
+    assert "released" in attn.outcome()
+    assert int(attn.control.device[ABORT]) != NOT_ABORTED  # later operations skip
+    attn.begin_step(2)
+    attn.stream.synchronize()
+    assert attn.outcome() is None and int(attn.control.device[ABORT]) == NOT_ABORTED
+    attn.timeout_s = 0.3
+    enqueue_attention_step(attn, None, inputs(1), layers=1)
+    attn.stream.synchronize()
+    assert "deadline" in attn.outcome()

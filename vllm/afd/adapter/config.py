@@ -57,7 +57,8 @@ class AFDConfig(LinkRoles):
 
     connector: str = "shm"
     """Transport between the roles: 'shm' (same host, shared memory), 'tcp' (across
-    hosts), 'loopback' (in-process, tests), 'nccl' (CUDA point-to-point), or any
+    hosts), 'loopback' (in-process, tests), 'nccl' (CUDA point-to-point), 'ipc' (same
+    host, layer calls through each other's device memory; CUDA never run yet), or any
     connector registered under the `vllm_afd.connectors` entry-point group."""
 
     host: str = "127.0.0.1"

@@ -140,6 +140,8 @@ class Handshake:
             # evidence of a mismatch.
             if expected != received and unavailable not in (expected, received):
                 differ(f"fingerprint[{key!r}]", expected, received)
+        if not problems:  # the transport's own checks last: they may map memory
+            problems += c._transport_problems(hello.rank, hello.transport)
         return problems
 
     # ------------------------------------------------------- attention side

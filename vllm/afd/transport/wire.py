@@ -474,10 +474,17 @@ def layer_frame(tensor: torch.Tensor, *, step_id: int, layer_id: int,
     """The header describing tensor (and topk experts of routing per row, when
     topk > 0; as fp8 with one scale per scale_group elements, when > 0) as the
     payload of (step, layer, ubatch)."""
-    shape = list(tensor.shape)
+    return frame_of(tensor.dtype, list(tensor.shape), step_id=step_id, layer_id=layer_id,
+                    ubatch_id=ubatch_id, topk=topk, scale_group=scale_group)
+
+
+def frame_of(dtype: torch.dtype, shape: list[int], *, step_id: int, layer_id: int,
+             ubatch_id: int, topk: int = 0, scale_group: int = 0) -> LayerFrame:
+    """layer_frame for a tensor of dtype and shape (one not at hand: a payload
+    that came without a header, as the ipc connector's)."""
     return LayerFrame(step_id=step_id, layer_id=layer_id, ubatch_id=ubatch_id,
-                      dtype=dtype_name(tensor.dtype), shape=shape,
-                      nbytes=frame_nbytes(tensor.dtype, shape, topk, scale_group), topk=topk,
+                      dtype=dtype_name(dtype), shape=shape,
+                      nbytes=frame_nbytes(dtype, shape, topk, scale_group), topk=topk,
                       encoding=FP8_E4M3 if scale_group else EXACT, scale_group=scale_group)
 
 

@@ -26,7 +26,7 @@ class FFNEngine:
             # Both roles in one process share vLLM's process-wide forward
             # context, which the ping-pong threads switch while the FFN runs.
             raise ValueError("AFDConfig.num_ubatches: micro-batching (> 1) needs a connector "
-                             "between processes (shm, tcp or nccl); the loopback "
+                             "between processes (shm, tcp, nccl or ipc); the loopback "
                              "connector runs both roles in one process")
         self.vllm_config = vllm_config
         self.core = EngineCore(vllm_config, Executor.get_class(vllm_config), log_stats=False)

@@ -446,9 +446,7 @@ class AFDConnector(AttentionSide, FFNSide, TransportHooks):
             self.bytes_received += len(data)
             message = wire.decode(data, source=label)
             if isinstance(message, ErrorFrame):
-                raise self._fail(AFDConnectionError(
-                    f"{label} reported a fatal error while {self.me} waited for {what}: "
-                    f"{message.text}"), notify=False)
+                raise self._peer_failed(label, what, message)
             if isinstance(message, StepHeader) and message.is_goodbye and kind is not StepHeader:
                 raise self._fail(AFDConnectionError(
                     f"{label} closed the connection (goodbye) while {self.me} waited for "
@@ -498,6 +496,13 @@ class AFDConnector(AttentionSide, FFNSide, TransportHooks):
         except (LinkTimeout, LinkClosed) as e:
             raise self._link_error(e, self.peer_name(peer), what, "payload") from None
         return tensor, routing
+
+    def _peer_failed(self, label: str, what: "str | What", message: ErrorFrame) -> Exception:
+        """The connector's exception for the peer's ErrorFrame (it is gone:
+        not told back)."""
+        return self._fail(AFDConnectionError(
+            f"{label} reported a fatal error while {self.me} waited for {what}: "
+            f"{message.text}"), notify=False)
 
     _LINK_ERROR_WORDS = {  # action: (timed out ..., while me ...)
         "send": ("sending {what} to", "was sending {what}"),

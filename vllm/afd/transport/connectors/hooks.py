@@ -115,6 +115,12 @@ class TransportHooks(ABC):
         """Attention side: this transport's data in the Hello."""
         return b""
 
+    def _transport_problems(self, peer: int, hello_transport: bytes) -> list[str]:
+        """FFN side: why this transport must refuse the Hello's transport data
+        (empty: accept). Runs after the protocol's own checks passed; the
+        attention side is told the reasons."""
+        return []
+
     def _ack_transport(self, peer: int, hello_transport: bytes) -> bytes:
         """FFN side: this transport's data in an accepting HelloAck (e.g. the
         names of shared-memory segments made for peer)."""

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """The connector registry: names to classes, imported on first use.
 
-Built in: shm, tcp, loopback, nccl. Others come from register_connector() or
+Built in: shm, tcp, loopback, nccl, ipc. Others come from register_connector() or
 from the `vllm_afd.connectors` entry-point group of installed packages
 (name = "package.module:ClassName"), so `AFDConfig.connector` can name a
 transport this project does not ship. A connector class implements the
@@ -26,7 +26,9 @@ _CONNECTORS: dict[str, str] = {
     "tcp": "vllm.afd.transport.connectors.tcp:TcpConnector",
     "loopback": "vllm.afd.transport.connectors.loopback:LoopbackConnector",
     "nccl": "vllm.afd.transport.connectors.nccl:NcclConnector",
+    "ipc": "vllm.afd.transport.connectors.ipc:IpcConnector",
 }
+BUILT_IN = tuple(_CONNECTORS)
 _entry_points_loaded = False
 
 
@@ -45,7 +47,7 @@ def register_connector(name: str, target: str, *, replace: bool = False) -> None
 
 def unregister_connector(name: str) -> None:
     """Forget a registered connector (tests; a plugin being unloaded)."""
-    if name in ("shm", "tcp", "loopback", "nccl"):
+    if name in BUILT_IN:
         raise ValueError(f"AFD connector {name!r} is built in")
     _CONNECTORS.pop(name, None)
 

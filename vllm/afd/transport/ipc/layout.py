@@ -2,12 +2,16 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """Where a device-resident exchange keeps its words and slots.
 
-Each side owns one region of device memory per peer (the connector allocates
-it, not torch's caching allocator, and maps the peer's through IPC handles):
+Each side has, per peer:
 
-    control  mode, abort, step: this side's, read only by its own stream
-    mailbox  per micro-batch u: a flag, a record and a payload slot,
-             written by the peer, waited on here
+    control  mode, abort, step: three words of its own in its device memory,
+             read by its kernels and written by its stream; the abort word
+             has a mirror the host writes while a take waits (memory.Control:
+             pinned host memory on CUDA, polled only by a waiting take)
+    region   per micro-batch u: a flag, a record and a payload slot, in this
+             side's device memory (memory.py allocates it, not torch's caching
+             allocator, and maps the peer's through an IPC handle); written
+             by the peer, waited on here
 
 The attention side's mailbox holds the FFN's replies, the FFN's holds the
 attention side's calls: a producer pushes into the consumer's memory and
@@ -42,12 +46,16 @@ ABORT_REASONS = {ABORT_RELEASED: "released by the host (the peer is gone, or the
                  ABORT_TIMEOUT: "a wait passed its deadline",
                  ABORT_MISMATCH: "a record named another step, layer or size"}
 
-# control words
+# control words (their index)
 MODE, ABORT, STEP = 0, 1, 2
 CONTROL_WORDS = 3
-# record words: the producer's step (low 32 bits), layer, rows
-RECORD_STEP, RECORD_LAYER, RECORD_ROWS = 0, 1, 2
-RECORD_WORDS = 3
+# record words: the producer's step (low 32 bits), layer, rows, and the
+# routing width packed with the payload (0: none; read by the consumer's host
+# after the take). A record of layer FAILED: the producer will not answer
+# (calls.Exchange.fail).
+FAILED = -1
+RECORD_STEP, RECORD_LAYER, RECORD_ROWS, RECORD_TOPK = 0, 1, 2, 3
+RECORD_WORDS = 4
 
 
 def step_word(step_id: int) -> int:
@@ -62,8 +70,8 @@ def _round_up(n: int, to: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """One side's region for one peer: control, then per micro-batch a flag
-    line, a record line and a slot of slot_bytes."""
+    """One side's region for one peer: per micro-batch a flag line, a record
+    line and a slot of slot_bytes."""
 
     num_ubatches: int
     slot_bytes: int
@@ -73,15 +81,11 @@ class Layout:
         return 2 * LINE + _round_up(self.slot_bytes, SLOT_ALIGN)
 
     @property
-    def mailbox_offset(self) -> int:
-        return _round_up(LINE, SLOT_ALIGN)
-
-    @property
     def total(self) -> int:
-        return self.mailbox_offset + self.num_ubatches * self.stride
+        return self.num_ubatches * self.stride
 
     def flag(self, u: int) -> int:
-        return self.mailbox_offset + u * self.stride
+        return u * self.stride
 
     def record(self, u: int) -> int:
         return self.flag(u) + LINE
@@ -100,21 +104,24 @@ class Region:
                              f"got {memory.numel()} of {memory.dtype}")
         self.memory, self.layout = memory, layout
         words = lambda at, n: memory[at:at + 4 * n].view(torch.int32)  # noqa: E731
-        self.control = words(0, CONTROL_WORDS)
         self.flags = [words(layout.flag(u), 1) for u in range(layout.num_ubatches)]
         self.records = [words(layout.record(u), RECORD_WORDS)
                         for u in range(layout.num_ubatches)]
         self.slots = [memory[layout.slot(u):layout.slot(u) + layout.slot_bytes]
                       for u in range(layout.num_ubatches)]
-
-    def word(self, index: int) -> torch.Tensor:
-        """A control word (MODE, ABORT, STEP) as a one-element view."""
-        return self.control[index:index + 1]
+        self._views: dict[tuple, torch.Tensor] = {}
 
     def payload(self, u: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """Slot u's first bytes as a tensor of dtype and shape."""
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        if nbytes > self.layout.slot_bytes:
-            raise ValueError(f"a payload of {nbytes} bytes does not fit a slot of "
-                             f"{self.layout.slot_bytes}")
-        return self.slots[u][:nbytes].view(dtype).view(shape)
+        """Slot u's first bytes as a tensor of dtype and shape. Cached: steps
+        repeat their shapes, and a view costs microseconds to build."""
+        key = (u, dtype, shape)
+        view = self._views.get(key)
+        if view is None:
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            if nbytes > self.layout.slot_bytes:
+                raise ValueError(f"a payload of {nbytes} bytes does not fit a slot of "
+                                 f"{self.layout.slot_bytes}")
+            if len(self._views) > 4096:  # shapes seen once (prefill sizes): start over
+                self._views.clear()
+            view = self._views[key] = self.slots[u][:nbytes].view(dtype).view(shape)
+        return view.detach()  # a fresh alias: a caller's resize_ cannot reach the cache
