@@ -150,6 +150,22 @@ MUTATIONS = [
         (Edit("import queue\n", "import queue\n\nfrom vllm import logger as _logger\n"),),
         ("tests/afd/test_import_graph.py::test_the_data_plane_imports_nothing_from_vllm_the_"
          "adapter_or_the_tools",)),
+    Mutation(
+        "ipc-dead-peer-not-released",
+        "the ipc connector's wait for a dead FFN ends when its socket hangs up, not at the "
+        "step timeout",
+        "installed", "vllm/afd/transport/connectors/ipc.py",
+        (Edit("            if self.peer_closed():\n                break\n",
+              "            pass\n"),),
+        ("tests/afd/transport/test_ipc_connector.py::test_a_dead_ffn_never_holds_the_wait",)),
+    Mutation(
+        "ipc-step-word-not-set",
+        "every layer call's record names its step, checked against the consumer's",
+        "installed", "vllm/afd/transport/ipc/calls.py",
+        (Edit("        self.stream.set_word(self.control.device, STEP, step_word(step_id))\n",
+              ""),),
+        ("tests/afd/transport/test_ipc_ops.py::test_a_record_of_another_step_or_size_aborts",
+         "tests/afd/transport/test_ipc_calls.py::test_a_record_of_another_step_aborts_the_step")),
 ]
 
 

@@ -47,6 +47,12 @@ Checks (each passes, fails, or is skipped with the reason):
   graphs        (CUDA) the attention parts captured as CUDA graphs, the exchange
                 run eagerly between them (piecewise), replayed with new inputs:
                 equal to eager
+  ipc           the device-resident exchange (transport/ipc/) between two
+                processes: m = 1..4 equal to the model, a late reply's negative
+                control, (CUDA) a whole attention step captured as one graph with
+                its exchanges and replayed, the FFN killed mid-step and the step
+                released (ipc.py); a layer call's round trip, two processes and
+                one, beside the device floor, replayed graphs on CUDA (ipc_timing.py)
 Exit status 0 when nothing failed.
 """
 
@@ -75,7 +81,8 @@ DATA_PLANE = [
     "vllm.afd.transport.connectors.nccl", "vllm.afd.attention.link",
     "vllm.afd.attention.pingpong", "vllm.afd.attention.status", "vllm.afd.ffn.loop",
     "vllm.afd.ffn.batcher", "vllm.afd.kernels.ops", "vllm.afd.observability.metrics",
-    "vllm.afd.observability.stats", "vllm.afd.topology",
+    "vllm.afd.observability.stats", "vllm.afd.topology", "vllm.afd.transport.ipc.calls",
+    "vllm.afd.transport.ipc.memory", "vllm.afd.transport.ipc.op_stream",
 ]
 
 
@@ -530,6 +537,7 @@ CHECKS = {
     "ffn-errors": check_ffn_errors,
     "stream-order": check_stream_order,
     "graphs": check_graphs,
+    "ipc": lambda a: __import__("ipc").check_ipc(a),
 }
 
 

@@ -3,7 +3,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 #
 # Everything this project checks and measures on a GPU machine without vLLM, in
-# one go (about 3 minutes on the H200): the GPU check (tools/testing/gpu_check), then a
+# one go (about 3 minutes on the H200 before the ipc check; never run since): the GPU
+# check (tools/testing/gpu_check), its ipc check again under MPS where MPS starts, then a
 # layer call through shm with CUDA tensors against the staging floor (and with the
 # staged path's variants: the send as before, blocking receives), then the same
 # on that host's CPU (benchmarks/layer_call.py). Run from the repository
@@ -32,6 +33,16 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 timeout 300 python3 tools/testing/gpu_check --out "$OUT/gpu-check.json" 2>&1 \
   | tee "$OUT/gpu-check.log"
 status=${PIPESTATUS[0]}
+# The ipc check again under MPS where it starts: its two processes then share the
+# GPU without time slices (the 2proc figures beside the time-sliced ones above).
+if command -v nvidia-cuda-mps-control >/dev/null 2>&1 \
+    && nvidia-cuda-mps-control -d >"$OUT/mps.txt" 2>&1; then
+  timeout 240 python3 tools/testing/gpu_check --only ipc --out "$OUT/gpu-check-ipc-mps.json" \
+    2>&1 | tee "$OUT/gpu-check-ipc-mps.log"
+  echo quit | nvidia-cuda-mps-control
+else
+  echo "MPS did not start" | tee -a "$OUT/mps.txt"
+fi
 # The op library the check built, for the benchmark's processes (kernels/ops.py).
 export VLLM_AFD_OP_LIBRARY=${AFD_GPU_CHECK_BUILD:-/tmp/afd-gpu-check-build}/cuda/afd_C.so
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
