@@ -117,6 +117,15 @@ def connect_pair(kind: str, ffn_first: bool = True, delay: float = 0.0, **kwargs
     return attn, ffn
 
 
+def recv_checked(attn, layer_id: int, ubatch_id: int):
+    """The output of (layer_id, ubatch_id) as the link gets it: a failure shows
+    at recv_output, or, on a connector that checks once per step
+    (checks_per_step), at check_step."""
+    out = attn.recv_output(layer_id, ubatch_id)
+    attn.check_step()
+    return out
+
+
 def raw_frame(message: wire.Message, payload: bytes = b"", announced: int | None = None):
     header = wire.encode(message)
     announced = len(payload) if announced is None else announced

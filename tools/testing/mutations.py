@@ -166,6 +166,14 @@ MUTATIONS = [
               ""),),
         ("tests/afd/transport/test_ipc_ops.py::test_a_record_of_another_step_or_size_aborts",
          "tests/afd/transport/test_ipc_calls.py::test_a_record_of_another_step_aborts_the_step")),
+    Mutation(
+        "ipc-step-end-unchecked",
+        "a step on a connector that checks once per step is checked at its end, and one that "
+        "lost its member runs again whole",
+        "installed", "vllm/afd/attention/link.py",
+        (Edit("        if ok and lead.checks_per_step:\n", "        if False:\n"),),
+        ("tests/afd/attention/test_pool.py::test_a_killed_member_mid_step_changes_no_output"
+         "[2-ipc]",)),
 ]
 
 

@@ -5,7 +5,10 @@ data plane with the reference decoder (tools/testing/gpu_check): the FFN servers
 real processes over shm, and one SIGKILLs itself at its k-th mlp call after
 warm-up, a kill -9 at a known point mid-step. The step still ends with exactly
 the reference decoder's output: the attention side sends the lost layer
-calls again to another member and finishes the step there."""
+calls again to another member and finishes the step there (on ipc, which
+checks once per step, it runs the step again whole). Then vLLM servers in
+pools: shm under kills, and ipc's whole-step run again through vLLM's
+forward."""
 
 import multiprocessing
 import os
@@ -124,7 +127,9 @@ def test_a_killed_member_mid_step_changes_no_output(ffns, num_ubatches, connecto
     (3 layers x m micro-batches a step: mid-step 3 with m = 1, mid-step 1 with
     m = 2); that step finishes on B with the reference output, and so do the
     next ones, all on B. ipc: the attention side's wait on its own memory ends
-    when the connector's watcher sees A's socket hang up."""
+    when the connector's watcher sees A's socket hang up, the rest of the step
+    does nothing, and its end finds the loss: the step runs again whole on B
+    (no layer call resumed)."""
     a, b = ffns(die_at=5, connector=connector), ffns(connector=connector)
     a.wait_ready()
     b.wait_ready()
@@ -137,14 +142,18 @@ def test_a_killed_member_mid_step_changes_no_output(ffns, num_ubatches, connecto
             assert torch.equal(got, role.model.reference(tokens, ubatches)), seed
         doc = role.link.document()
         by_endpoint = members(role)
-        assert doc["failovers"] == 1 and doc["resent_layer_calls"] >= 1, doc
+        if connector == "ipc":  # checks once per step: the step runs again whole on B
+            assert doc["aborted_steps"] == 1 and doc["failovers"] == 0, doc
+        else:  # resumed on B where it stood
+            assert doc["failovers"] == 1 and doc["resent_layer_calls"] >= 1, doc
         assert a.proc.join(10) is None and a.proc.exitcode == -signal.SIGKILL
         assert by_endpoint[a.endpoint]["state"] == "down", by_endpoint
         assert by_endpoint[a.endpoint]["failed_over"] == 1
         # Six steps, one of them begun on A and resumed on B.
         assert by_endpoint[a.endpoint]["steps"] + by_endpoint[b.endpoint]["steps"] == 7
-        assert doc["last_failover_seconds"] and max(
-            doc["last_failover_seconds"]) < FAILOVER_BOUND_S, doc["last_failover_seconds"]
+        if connector != "ipc":
+            assert doc["last_failover_seconds"] and max(
+                doc["last_failover_seconds"]) < FAILOVER_BOUND_S, doc["last_failover_seconds"]
         assert doc["state"] == "ready" and doc["steps"] == 6
     finally:
         role.close()
@@ -436,3 +445,62 @@ def test_pool_of_ffn_servers_under_kills(models_dir, tmp_path):
         for server in servers:
             server.stop()
         work.shutdown(wait=False, cancel_futures=True)
+
+
+@pytest.mark.slow
+def test_an_ipc_member_lost_mid_step_runs_the_step_again(models_dir, tmp_path):
+    """vLLM (V1) attention server, a pool of two FFN servers on the ipc
+    connector, which checks its calls once per step: FFN A is frozen, then
+    killed, mid-stream. The step A held is aborted at its end and run again
+    whole on B (the model's forward repeated, its KV entries written again):
+    the stream completes with plain vLLM's greedy tokens."""
+    import json
+
+    import openai
+    from oracle import engine_cli_args
+    from servers import Server, cpu, metric_samples
+
+    model = models_dir / "tiny-qwen3-moe"
+    tokens = 32
+    plain = run_oracle(model, tmp_path / "plain.json", num_prompts=1,
+                       extra=("--max-tokens", str(tokens)))["results"][0]
+    pool_file, base = tmp_path / "ffn-pool.txt", {"connector": "ipc", "timeout_s": 30}
+    servers, ffns = [], []
+    try:
+        for name in ("ffn-a", "ffn-b"):
+            port = free_port()
+            server = Server(str(model), [*COMMON, "--afd-role", "ffn", "--afd-config",
+                                         json.dumps({**base, "port": port})],
+                            log_path=tmp_path / f"{name}.log", name=name,
+                            env={"VLLM_CPU_OMP_THREADS_BIND": cpu(1)}).start()
+            server.afd_port = port
+            servers.append(server)
+            ffns.append(server)
+        pool_file.write_text("".join(f"127.0.0.1:{f.afd_port}\n" for f in ffns))
+        attention = Server(str(model), [
+            *COMMON, *engine_cli_args(model), "--afd-role", "attention", "--afd-config",
+            json.dumps({**base, "ffn_pool_file": str(pool_file)})],
+            log_path=tmp_path / "attention.log", name="attention",
+            env={"VLLM_CPU_OMP_THREADS_BIND": cpu(0)}).start()
+        servers.append(attention)
+        for server in servers:
+            server.wait_ready()
+        client = openai.OpenAI(base_url=attention.url + "/v1", api_key="x", max_retries=0,
+                               timeout=300)
+        ids = []
+        for i, chunk in enumerate(client.completions.create(
+                model=str(model), prompt=plain["prompt"], max_tokens=tokens, temperature=0,
+                stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})):
+            ids += chunk.choices[0].token_ids or []
+            if i == 4:  # frozen first: a step is surely waiting on it when it dies
+                os.killpg(ffns[0].proc.pid, signal.SIGSTOP)
+                time.sleep(1.0)
+                ffns[0].kill()
+        link = json.loads(attention.get("/afd/status")[1])["links"][0]
+        metrics = attention.get("/metrics")[1]
+    finally:
+        for server in servers:
+            server.stop()
+    assert ids == plain["token_ids"][:len(ids)] and len(ids) == tokens
+    assert link["aborted_steps"] >= 1 and link["failovers"] == 0, link
+    assert sum(metric_samples(metrics, "vllm_afd_aborted_steps_total").values()) >= 1

@@ -33,7 +33,7 @@ from vllm.afd.transport.connectors.shm import ShmConnector
 from vllm.afd.transport.connectors.socket_stream import MAGIC, PREFIX
 from vllm.afd.transport.connectors.tcp import TcpConnector
 from vllm.afd.transport.wire import LayerFrame, StepHeader
-from helpers.connectors import FAKE_NCCL, HIDDEN, MAX_TOKENS, TOPK, Background, connect_pair, ffn_serve, make, raw_frame, read_message, routing_for, serve_one_layer
+from helpers.connectors import FAKE_NCCL, HIDDEN, MAX_TOKENS, TOPK, Background, connect_pair, ffn_serve, make, raw_frame, read_message, recv_checked, routing_for, serve_one_layer
 from helpers.fp8 import reference_dequantize, reference_quantize
 
 KINDS = ["loopback", "tcp", "shm", "nccl", "ipc"]
@@ -228,10 +228,11 @@ def test_peer_closing_mid_exchange(kind):
         attn.send_hidden(1, 0, torch.ones(4, HIDDEN))
         start = time.monotonic()
         with pytest.raises(AFDConnectionError) as e:
-            attn.recv_output(1, 0)
+            recv_checked(attn, 1, 0)
         assert time.monotonic() - start < 5  # not the 10 s timeout
         assert "FFN rank 0" in str(e.value) and "closed the connection" in str(e.value)
-        assert "output of layer 1 ubatch 0 of step 0" in str(e.value)
+        assert ("step 0" if attn.checks_per_step
+                else "output of layer 1 ubatch 0 of step 0") in str(e.value)
         server.join_result()
         with pytest.raises(AFDConnectionError, match="unusable after an earlier error"):
             attn.send_hidden(2, 0, torch.ones(4, HIDDEN))
@@ -286,10 +287,12 @@ def test_reported_error_reaches_the_peer(kind):
         ffn.recv_step(0)
         ffn.recv_hidden(0, 0, 0)
         ffn.report_error("MoE kernel failed on layer 0")  # e.g. the FFN model raised
+        waited_for = "step 0" if attn.checks_per_step else "the output of layer 0 ubatch 0 " \
+            "of step 0"
         with pytest.raises(AFDConnectionError, match="FFN rank 0 reported a fatal error while "
-                           "AFD attention rank 0 waited for the output of layer 0 ubatch 0 "
-                           "of step 0: AFD ffn rank 0: MoE kernel failed on layer 0"):
-            attn.recv_output(0, 0)
+                           f"AFD attention rank 0 waited for {waited_for}: AFD ffn rank 0: "
+                           "MoE kernel failed on layer 0"):
+            recv_checked(attn, 0, 0)
         with pytest.raises(AFDConnectionError, match="unusable"):
             ffn.recv_step(0)
     finally:

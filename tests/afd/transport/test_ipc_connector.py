@@ -104,8 +104,9 @@ def _ffn_dies_after_taking(port: int) -> None:
 def test_a_dead_ffn_never_holds_the_wait():
     """The FFN process dies after taking a call: the attention side's wait for
     its answer ends when the shm socket hangs up (the connector's watcher
-    releases the exchange), long before the 20 s timeout, with the link's
-    usual error."""
+    releases the exchange), long before the 20 s timeout; the step's end
+    (check_step) raises the link's usual error, and the next call, which the
+    released exchange would not carry, is refused."""
     port = free_port()
     proc = multiprocessing.get_context("spawn").Process(target=_ffn_dies_after_taking,
                                                         args=(port,), daemon=True)
@@ -116,9 +117,12 @@ def test_a_dead_ffn_never_holds_the_wait():
         attn.send_step(StepHeader(step_id=1, num_tokens=[2]))
         attn.send_hidden(0, 0, torch.ones(2, HIDDEN))
         t0 = time.monotonic()
-        with pytest.raises(AFDConnectionError, match="closed the connection .*released"):
-            attn.recv_output(0, 0)
+        attn.recv_output(0, 0)  # returns once released, its output unwritten
         assert time.monotonic() - t0 < 10.0
+        with pytest.raises(AFDConnectionError, match="closed the connection .*released"):
+            attn.check_step()
+        with pytest.raises(AFDConnectionError, match="unusable after an earlier error"):
+            attn.send_hidden(1, 0, torch.ones(2, HIDDEN))
     finally:
         attn.close()
         proc.join(10)
@@ -146,6 +150,38 @@ def test_one_header_per_step_and_no_message_per_call():
         assert ffn.bytes_sent - answered == payload
         attn.send_step(StepHeader(step_id=0, num_tokens=[], flags=wire.SHUTDOWN))
         assert server.join_result() == 1
+    finally:
+        attn.close()
+        ffn.close()
+
+
+def test_the_attention_host_reads_the_exchange_once_per_step(monkeypatch):
+    """The attention side's layer calls only enqueue (on CUDA: no stream
+    synchronization per call): its host reads the exchange's abort word once,
+    at check_step; the FFN side reads it per take."""
+    attn, ffn = connect_pair("ipc", num_ubatches=2)
+    reads = {"attention": 0, "ffn": 0}
+    for side in (attn, ffn):
+        stream = side.exchanges[0].stream
+
+        def counted(words, index, stream=stream, role=side.role, read=stream.read_word):
+            reads[role] += 1
+            return read(words, index)
+        monkeypatch.setattr(stream, "read_word", counted)
+    server = Background(ffn_serve, ffn, 3)
+    try:
+        attn.send_step(StepHeader(step_id=1, num_tokens=[2, 3]))
+        for layer in range(3):
+            for u in (0, 1):
+                attn.send_hidden(layer, u, torch.full((2 + u, HIDDEN), float(layer)))
+            for u in (0, 1):
+                assert attn.recv_output(layer, u).eq(3.0 * layer).all()
+        assert reads["attention"] == 0
+        attn.check_step()
+        assert reads["attention"] == 1
+        attn.send_step(StepHeader(step_id=0, num_tokens=[], flags=wire.SHUTDOWN))
+        assert server.join_result() == 1
+        assert reads["ffn"] == 3 * 2
     finally:
         attn.close()
         ffn.close()

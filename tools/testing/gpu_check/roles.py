@@ -152,23 +152,24 @@ class AttentionRole:
         context = self.context or DeviceContext.current(self.device)
         sizes = [sum(u) for u in ubatches]
         starts = [sum(sizes[:u]) for u in range(len(sizes))]
-        self.link.begin_step(ForwardPass(num_tokens=tuple(sizes), kind=kind, device=context)
-                             if kind == "real" else ForwardPass(kind=kind))
-        failed = True
-        try:
-            def run(u: int) -> torch.Tensor:
-                part = tokens[starts[u]:starts[u] + sizes[u]]
-                return self.model.forward(part, ubatches[u], self._remote_mlp)
+        def run(u: int) -> torch.Tensor:
+            part = tokens[starts[u]:starts[u] + sizes[u]]
+            return self.model.forward(part, ubatches[u], self._remote_mlp)
 
+        def forward() -> list[torch.Tensor]:
             if len(ubatches) == 1:
-                outs = [run(0)]
-            else:
-                outs = run_micro_batches(sizes, run, device=context,
-                                         on_thread=self._thread_started)
-            failed = False
-        finally:
-            self.link.end_step(failed=failed)
-        return torch.cat(outs)
+                return [run(0)]
+            return run_micro_batches(sizes, run, device=context,
+                                     on_thread=self._thread_started)
+
+        if kind != "real":
+            self.link.begin_step(ForwardPass(kind=kind))
+            try:
+                return torch.cat(forward())
+            finally:
+                self.link.end_step()
+        return torch.cat(self.link.run_step(
+            ForwardPass(num_tokens=tuple(sizes), kind=kind, device=context), forward))
 
     def _thread_started(self, u: int, context: DeviceContext) -> None:
         self.threads_seen.append((u, context))

@@ -8,11 +8,12 @@ The runner drives it through an explicit step API:
     link.exchange(layer, hidden_states, out)      # per layer and micro-batch
     link.end_step()
 
-`begin_step` names the run: "real" steps talk to the FFN; "profile", "warmup"
-and "capture" runs never touch the link and never wait for an FFN (their
-exchanges write zeros into `out`). Nothing is guessed from other state. A real
-step announces itself (StepHeader) to the FFN rank and its tensor/expert
-parallel group; each exchange sends the hidden states and receives the FFN's
+or, for a real step, `link.run_step(forward, run)` around the model's forward
+(which may run it again). `begin_step` names the run: "real" steps talk to
+the FFN; "profile", "warmup" and "capture" runs never touch the link and never
+wait for an FFN (their exchanges write zeros into `out`). Nothing is guessed
+from other state. A real step announces itself (StepHeader) to the FFN rank
+and its tensor/expert parallel group; each exchange sends the hidden states and receives the FFN's
 output into the caller's `out`, ordered on the caller's stream. Inside a
 micro-batch ping-pong (pingpong.py) the exchange passes the turn between its
 send and its receive, so another micro-batch's attention overlaps the FFN.
@@ -24,11 +25,13 @@ while the FFN is not there or refuses us, and reconnects after a loss. A real
 step goes to the next ready member (round robin). When that member fails
 mid-step, the step is resumed on another ready one (resume.py: a StepHeader
 with from_layer, then the layer calls in flight sent again), and the caller
-never notices. A step never waits for a connection once the link was up: with
-no member ready, at the start or after a failure, it raises AFDLinkDown at
-once (the vLLM adapter fails the step's requests and keeps serving). The state
-and counters are published (status.py) for the API server's /health and
-/metrics.
+never notices; on a connector that checks its calls once per step (a
+device-resident exchange) the step is instead run again whole (run_step:
+what it computed after the loss is not the model's). A step never waits
+for a connection once the link was up: with no member ready, at the start
+or after a failure, it raises AFDLinkDown at once (the vLLM adapter fails the
+step's requests and keeps serving). The state and counters are published
+(status.py) for the API server's /health and /metrics.
 """
 
 import logging
@@ -51,12 +54,15 @@ from vllm.afd.observability.metrics import LATENCY_BUCKETS_S, Histogram
 from vllm.afd.observability.stats import LinkStats, now
 from vllm.afd.transport.config import LinkConfig
 from vllm.afd.transport.device import DeviceContext
-from vllm.afd.transport.errors import AFDLinkDown
+from vllm.afd.transport.errors import AFDLinkDown, StepAborted
 from vllm.afd.transport.wire import ProtocolError, Routing, StepHeader
 
 logger = logging.getLogger(__name__)
 
 PUBLISH_INTERVAL_S = 1.0
+# How often run_step runs a step its connector aborted (each run loses a
+# member; with none left begin_step raises AFDLinkDown first).
+MAX_STEP_RUNS = 4
 
 # What a step is, as the runner names it.
 REAL, PROFILE, WARMUP, CAPTURE = "real", "profile", "warmup", "capture"
@@ -425,11 +431,40 @@ class AttentionLink:
         """End the forward pass begun by begin_step. A real step that did not
         finish every exchange (the model failed in between) leaves the FFN
         mid-step: that member's connection is dropped (the FFN is told) and
-        re-made."""
-        self._end_step(failed)
-        if self._publish_due:  # the periodic publish fell inside the step (_publish_tick)
-            self._publish_due = False
-            self._publish()
+        re-made. A step whose connector checks once per step is checked here:
+        StepAborted when it lost its member (run_step runs it again)."""
+        try:
+            self._end_step(failed)
+        finally:
+            if self._publish_due:  # the periodic publish fell inside the step (_publish_tick)
+                self._publish_due = False
+                self._publish()
+
+    def run_step(self, forward: ForwardPass, run: Callable[[], Any]) -> Any:
+        """run() as one forward pass of the link (begin_step, run(), end_step),
+        its result returned. A step aborted on a connector that checks once
+        per step (StepAborted: its outputs since the loss are not the model's)
+        runs again whole on another member, as long as one is left: run()
+        must be repeatable, as a model's forward is (the same tokens write the
+        same KV entries)."""
+        for runs_left in range(MAX_STEP_RUNS - 1, -1, -1):
+            self.begin_step(forward)
+            ran, aborted = False, None
+            try:
+                result = run()
+                ran = True
+            except StepAborted as e:
+                aborted = e
+            finally:
+                try:
+                    self.end_step(failed=not ran)
+                except StepAborted as e:
+                    aborted = e
+            if aborted is None:
+                return result
+            if not runs_left:
+                raise aborted
+        raise AssertionError("unreachable")
 
     def _end_step(self, failed: bool) -> None:
         step, self.step, self.forward_pass = self.step, None, None
@@ -443,12 +478,20 @@ class AttentionLink:
                 self._spin_link, self._spin_seen = lead, [0, 0]
             self.stats.add_spin(self._spin_seen, lead.spin_counters())
         ok = step.finished and not failed
+        lost = None  # a call's failure that its connector shows only now
+        if ok and lead.checks_per_step:
+            try:
+                lead.check_step()
+            except Exception as e:  # noqa: BLE001 - aborted below, after the bookkeeping
+                ok, lost = False, e
         if self.ubatch_rule is not None:
             self.ubatch_rule.finish_step(ok=ok)
         if ok:
             self.stats.steps += 1
             self.stats.step_wall_s += now() - step.started
             return
+        if lost is not None:
+            self.resume.abort(step, member, lost, "the end")  # raises StepAborted
         if not step.finished and member is not None and member.ready:
             reason = (f"the attention side abandoned step {step.id} with "
                       f"{step.calls_left} layer call(s) left")

@@ -2,6 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vllm-afd project
 """Finishing a step on another pool member when its member is lost mid-step.
 
+Where the step's connector checks its calls once per step (checks_per_step:
+a device-resident exchange, whose host never waits on a call), a step with
+an answered call is not resumed but aborted (abort): its member is dropped
+and StepAborted raised, and AttentionLink.run_step runs it again whole on
+another member.
+
 The member that failed is dropped (its supervisor thread reconnects it) and
 the next ready one takes the step over where each micro-batch was: a
 StepHeader with from_layer, then every layer call in flight sent again, in
@@ -18,7 +24,7 @@ from collections.abc import Callable
 from vllm.afd.attention.pool import Pool
 from vllm.afd.attention.step import Step
 from vllm.afd.observability.metrics import LATENCY_BUCKETS_S, Histogram
-from vllm.afd.transport.errors import AFDLinkDown
+from vllm.afd.transport.errors import AFDLinkDown, StepAborted
 from vllm.afd.transport.wire import StepHeader
 
 logger = logging.getLogger(__name__)
@@ -41,6 +47,7 @@ class StepResume:
         self._publish = publish
         self.failovers = 0  # steps finished on another member
         self.resent_calls = 0  # layer calls sent again to the member that took over
+        self.aborted_steps = 0  # steps lost where they could not be resumed (abort)
         self.failover_time = Histogram(LATENCY_BUCKETS_S)  # error -> the output, resent
         self.last_failovers: deque[float] = deque(maxlen=LAST_FAILOVERS_KEPT)
 
@@ -53,6 +60,10 @@ class StepResume:
         """step lost `failed` at `where`: move it to another ready member
         (step.use), or raise AFDLinkDown when none is left. Several
         micro-batches may see the loss; the first one moves the step."""
+        if step.aborted is not None or (any(step.done) and step.lead is not None
+                                        and step.lead.checks_per_step):
+            # An answered call's output may be one the loss left unwritten.
+            self.abort(step, failed, error, where)
         with self.lock:
             if step.member is None:  # lost already (another micro-batch's turn)
                 raise AFDLinkDown(self._unavailable_reason()) from error
@@ -90,7 +101,28 @@ class StepResume:
             self._publish()
             return
 
+    def abort(self, step: Step, failed, error: BaseException, where: str) -> None:
+        """step lost `failed` at `where`, on a connector that checks once per
+        step: what the step computed since the loss is not the model's, so it
+        is not resumed. The member is dropped (its supervisor reconnects it)
+        and StepAborted raised, for run_step to run the step again whole; a
+        micro-batch that sees the loss later raises the same."""
+        if step.aborted is None:
+            with self.lock:
+                if step.member is failed:
+                    failed.failed_over += 1
+                    failed.fail(error)
+                step.use(None)
+            name = getattr(failed, "name", "the FFN server")
+            self.aborted_steps += 1
+            step.aborted = StepAborted(f"AFD attention rank {self.rank}: lost {name} at "
+                                       f"{where} of step {step.id}: {error}")
+            logger.warning("%s; the step runs again whole", step.aborted)
+            self._publish()
+        raise step.aborted from error
+
     def document(self) -> dict:
         return {"failovers": self.failovers, "resent_layer_calls": self.resent_calls,
+                "aborted_steps": self.aborted_steps,
                 "failover_seconds": self.failover_time.as_dict(),
                 "last_failover_seconds": list(self.last_failovers)}

@@ -18,7 +18,7 @@ class Step:
     """The step's identity, its pool member and where it stands."""
 
     __slots__ = ("id", "num_tokens", "ubatched", "member", "sender", "lead", "in_flight",
-                 "done", "calls_left", "started", "round_trips")
+                 "done", "calls_left", "started", "round_trips", "aborted")
 
     def __init__(self, step_id: int, num_tokens: tuple[int, ...], member,
                  num_layers: int, started: float) -> None:
@@ -39,6 +39,10 @@ class Step:
         # Layer call round trips, observed into the link's histogram at end_step
         # (not on the path the FFN's answer waits on).
         self.round_trips: list[float] = []
+        # Lost where the connector checks once per step (resume.py's abort):
+        # the error every later sight of the loss raises; the step is not
+        # resumed.
+        self.aborted = None
 
     def use(self, member) -> None:
         """Make the step's calls to member (at the start and after a failover).

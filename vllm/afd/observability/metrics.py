@@ -18,6 +18,7 @@ vLLM's own metrics on the same /metrics:
   vllm_afd_reconnects_total                        connections after the first
   vllm_afd_auth_failures_total, vllm_afd_handshake_failures_total (FFN)
   vllm_afd_failovers_total, vllm_afd_resent_layer_calls_total   attention: FFN pool
+  vllm_afd_aborted_steps_total                     attention: steps run again whole
   vllm_afd_failover_seconds (histogram)            attention: error -> resent output
   vllm_afd_pool_member_up{...,endpoint}            attention: 1 per ready member
   vllm_afd_pool_member_layer_calls_total{...,endpoint}
@@ -115,6 +116,8 @@ class LinkCollector:
                 ("handshake_failures", "Peers refused because their handshake did not match"),
                 ("failovers", "Steps finished on another FFN pool member after one failed"),
                 ("resent_layer_calls", "Layer calls sent again to the member taking over"),
+                ("aborted_steps", "Steps that lost their FFN pool member on a connector "
+                 "checking once per step (ipc), run again whole"),
                 ("spin_preemptions", "Waits on the link whose spin lost its core (shm): the "
                  "scheduler ran something else on it"),
                 ("spin_backoffs", "Times repeated preemptions turned the link's spinning off "

@@ -51,6 +51,14 @@ class AFDLinkDown(RuntimeError):
         super().__init__(f"{LINK_DOWN_MARKER} {message}")
 
 
+class StepAborted(AFDLinkDown):
+    """A step whose connector checks its calls' outcomes once per step (a
+    device-resident exchange: no host on the per-layer path) lost its member:
+    the outputs it computed since are not the model's, so the step runs again
+    whole on another member (AttentionLink.run_step), or, where the runner
+    cannot repeat it, fails like any lost link."""
+
+
 def error_kind(error: BaseException) -> str:
     """The metrics label of a link error: timeout, protocol or connection."""
     from vllm.afd.transport.wire import ProtocolError

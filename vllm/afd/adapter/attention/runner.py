@@ -202,20 +202,18 @@ def model_forward(vllm_config, model: Callable, input_ids=None, positions=None,
     tokens = tuple(s.num_tokens for s in slices) if slices else (num_tokens,)
     forward = ForwardPass(num_tokens=tokens, kind=REAL,
                           device=DeviceContext.current(vllm_config.device_config.device))
-    link.begin_step(forward)
-    failed = True
-    try:
+
+    def run():
         if slices is None:
-            out = model(input_ids=input_ids, positions=positions,
-                        intermediate_tensors=intermediate_tensors,
-                        inputs_embeds=inputs_embeds, **model_kwargs)
-        else:
-            out = _ping_pong(vllm_config, model, ctx, slices, forward, input_ids, positions,
-                             intermediate_tensors, inputs_embeds, model_kwargs)
-        failed = False
-        return out
-    finally:
-        link.end_step(failed=failed)
+            return model(input_ids=input_ids, positions=positions,
+                         intermediate_tensors=intermediate_tensors,
+                         inputs_embeds=inputs_embeds, **model_kwargs)
+        return _ping_pong(vllm_config, model, ctx, slices, forward, input_ids, positions,
+                          intermediate_tensors, inputs_embeds, model_kwargs)
+
+    # A step its connector aborted runs again whole (link.run_step): the same
+    # inputs, the same KV cache entries written again.
+    return link.run_step(forward, run)
 
 
 def _ping_pong(vllm_config, model, ctx, slices, forward: ForwardPass, input_ids, positions,

@@ -112,6 +112,12 @@ class AttentionSide:
         """The output of send_call's (layer_id, ubatch_id): recv_output's."""
         return self.recv_output(layer_id, ubatch_id, out=out)
 
+    def check_step(self) -> None:
+        """After the step's last call, before its results are used: raise the
+        link error a call of the step met without raising (connectors that
+        check once per step: checks_per_step). Here every call checked its
+        own."""
+
     # ------------------------------------------------------------- internals
     def _current_step(self, ubatch_id: int) -> PeerStep:
         step = self._steps.get(0)

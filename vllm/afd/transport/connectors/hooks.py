@@ -18,6 +18,10 @@ act on them:
     graph_capturable     an exchange may be captured inside a device graph
                          (FULL CUDA graphs); otherwise the attention role
                          lowers FULL graph modes to piecewise ones
+    checks_per_step      a layer call's failure may show only at the step's
+                         end (check_step): its host never waits on a call's
+                         outcome. A step such a connector loses runs again
+                         whole (AttentionLink.run_step), never resumed mid-step
 """
 
 from abc import ABC, abstractmethod
@@ -34,6 +38,7 @@ class TransportHooks(ABC):
     authenticates: ClassVar[bool] = False
     stages_through_host: ClassVar[bool] = False
     graph_capturable: ClassVar[bool] = False
+    checks_per_step: ClassVar[bool] = False
     # Keys this transport reads from connector_extra_config (others are refused).
     extra_config_keys: ClassVar[frozenset[str]] = frozenset()
 

@@ -30,12 +30,18 @@ peer's slot, fp8 and routing packed straight into it (the pack kernel writes
 the peer's memory; the post then only publishes); each call's record carries
 the routing width, since dense and MoE layers alternate.
 
+The attention side's host never waits on a call's outcome (checks_per_step):
+its takes enqueue and return, an aborted one leaving its output unwritten
+and the rest of the step doing nothing; check_step reads the step's abort
+word once, after its last call (on CUDA the step's one synchronization),
+and raises the link error the call met. The link then runs the step again
+whole on another member (AttentionLink.run_step): outputs computed after
+an abort are not the model's, so a step is never resumed mid-way. The FFN
+side checks each take (its host reads the call's routing width anyway).
+
 Not yet: FFN groups (expect_output False), the stream-wait variant,
 per-step accounting for FULL CUDA graphs (graph_capturable is False: the
-attention role lowers FULL to piecewise, as with shm), the FFN's graphs. Each
-take's outcome (and a routed call's width) is read per call: free on the CPU,
-a stream synchronization on CUDA (so a dead or failed peer is never a wrong
-answer) until the check moves to the step's end.
+attention role lowers FULL to piecewise, as with shm), the FFN's graphs.
 """
 
 import logging
@@ -81,6 +87,7 @@ class IpcAck(msgspec.Struct):
 class IpcConnector(ShmConnector):
     name = "ipc"
     stages_through_host = False  # payloads stay on the device: both peers on one kind
+    checks_per_step = True  # the attention side's takes never make its host wait
     device_types = ("cpu", "cuda")  # the CPU as the device too (../ipc/memory.py)
     extra_config_keys = frozenset({"notify", "spin_us"})
     """notify: "unix" (default) or "tcp", as for shm: the socket of the
@@ -239,6 +246,12 @@ class IpcConnector(ShmConnector):
         result, _ = self._take(0, step, layer_id, ubatch_id, what, out)
         return result
 
+    def check_step(self) -> None:
+        self._require("attention")
+        step = self._steps.get(0)
+        if step is not None:
+            self._check_outcome(0, What("step {}", step.header.step_id))
+
     def recv_hidden(self, peer: int, layer_id: int, ubatch_id: int, *,
                     defer: bool = False) -> "torch.Tensor | Packed":
         self._require("ffn", peer)
@@ -280,12 +293,16 @@ class IpcConnector(ShmConnector):
               out: torch.Tensor | None, defer: bool = False):
         """The call's payload, decoded (codec.py) from this side's slot: into
         out, or a view of the slot (fp8 hidden states unpacked, or still packed
-        with defer)."""
+        with defer). The FFN side checks the take's outcome and reads the
+        routing width it carries; the attention side's replies carry none, and
+        its outcome waits for check_step."""
         exchange = self._live_exchange(peer)
         rows = step.header.num_tokens[ubatch_id]
         exchange.take(ubatch_id, layer_id, torch.uint8, (0,), rows=rows)
-        self._check_outcome(peer, what)
-        topk = exchange.taken_topk(ubatch_id) if self.routing_topk else 0
+        topk = 0
+        if not self.is_attention:
+            self._check_outcome(peer, what)
+            topk = exchange.taken_topk(ubatch_id) if self.routing_topk else 0
         if topk not in (0, self.routing_topk):
             raise self._fail(ProtocolError(f"from {self.peer_name(peer)}, {what}: routing of "
                                            f"{topk} experts, expected 0 or "
@@ -323,10 +340,10 @@ class IpcConnector(ShmConnector):
         return step
 
     def _check_outcome(self, peer: int, what: What) -> None:
-        """After a take, its outcome: on the CPU the take has run (host
-        memory, no cost); on CUDA outcome() synchronizes the stream first, a
-        host synchronization per call until the check moves to the step's
-        end (with FULL graphs): correct before fast."""
+        """The exchange's outcome so far (the FFN side: after each take; the
+        attention side: once per step, check_step): on the CPU the takes have
+        run (host memory, no cost); on CUDA abort_code() synchronizes the
+        stream first."""
         code = self.exchanges[peer].abort_code()
         if code == NOT_ABORTED:
             return
