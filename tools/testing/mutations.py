@@ -174,6 +174,17 @@ MUTATIONS = [
         (Edit("        if ok and lead.checks_per_step:\n", "        if False:\n"),),
         ("tests/afd/attention/test_pool.py::test_a_killed_member_mid_step_changes_no_output"
          "[2-ipc]",)),
+    Mutation(
+        "gate-handshakes-one-at-a-time",
+        "the FFN's gate handshakes incoming connections concurrently, so silent ones cannot "
+        "keep a real attention peer out",
+        "installed", "vllm/afd/transport/gate.py",
+        (Edit("        threading.Thread(target=self._handshake, args=(entry, source), "
+              "daemon=True,\n                         name=f\"afd-handshake-{source}\")"
+              ".start()\n",
+              "        self._handshake(entry, source)\n"),),
+        ("tests/afd/transport/test_gate.py::test_idle_slow_and_stormy_connections_never_hold_"
+         "the_gate",)),
 ]
 
 

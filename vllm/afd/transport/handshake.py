@@ -20,6 +20,8 @@ unauthenticated peer learns nothing about the model being served.
 """
 
 import logging
+import threading
+import time
 from collections import deque
 from collections.abc import Collection
 from typing import Any
@@ -41,6 +43,68 @@ class _Dropped(Exception):
     and counted)."""
 
 
+class KnockLog:
+    """Connections dropped before they proved anything (silent, not AFD, a
+    wrong secret) are logged at most once per LOG_EVERY_S per (listening
+    address, source address): a scanner or a flood must not fill the log. The next line says
+    how many went unlogged; the counters count every one."""
+
+    LOG_EVERY_S = 60.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sources: dict[tuple[str, str], list] = {}  # -> [last logged, unlogged]
+
+    def unlogged(self, address: str, source: str) -> int | None:
+        """None: do not log this one; else how many were not logged before it."""
+        host = source.rsplit(":", 1)[0] if ":" in source else source
+        now = time.monotonic()
+        with self._lock:
+            entry = self._sources.setdefault((address, host), [None, 0])
+            if entry[0] is not None and now - entry[0] < self.LOG_EVERY_S:
+                entry[1] += 1
+                return None
+            unlogged, entry[:] = entry[1], [now, 0]
+            if len(self._sources) > 4096:  # bounded: forget the oldest sources
+                for key in list(self._sources)[:1024]:
+                    del self._sources[key]
+            return unlogged
+
+    @staticmethod
+    def note(unlogged: int) -> str:
+        return (f" ({unlogged} more from this address since the last such line; logged "
+                f"once a minute per address)" if unlogged else "")
+
+
+KNOCKS = KnockLog()
+
+
+class RankClaims:
+    """The attention ranks a gate's handshakes may still admit: not one with a
+    live session (busy, a live view the FFN loop passes) nor one that another
+    handshake, running at the same time, has claimed. A claim is taken when a
+    peer passed every check and held until its session closes."""
+
+    def __init__(self, busy: Collection[int] = ()) -> None:
+        self.busy = busy
+        self._claimed: set[int] = set()
+        self._lock = threading.Lock()
+
+    def __contains__(self, rank: int) -> bool:
+        return rank in self._claimed or rank in self.busy
+
+    def claim(self, rank: int) -> bool:
+        with self._lock:
+            if rank in self:
+                return False
+            self._claimed.add(rank)
+            return True
+
+    def release(self, rank: int) -> None:
+        with self._lock:
+            self._claimed.discard(rank)
+
+
 class Handshake:
     def __init__(self, conn: Any, secret: bytes | None) -> None:
         """conn: the connector this handshake is for (see the module
@@ -57,9 +121,13 @@ class Handshake:
         self.auth_failures = 0
         # FFN side: "<peer>: <reason>" of the latest refused peers, oldest first.
         self.refusals: deque[str] = deque(maxlen=REFUSALS_KEPT)
-        # FFN side: attention ranks served elsewhere (the other sessions of the
-        # gate, see AFDConnector.accept_session), refused as already connected.
-        self.busy: Collection[int] = ()
+        # FFN side, a gate's session (gate.py): the ranks this handshake may not
+        # admit (served by another session, or being admitted by another
+        # handshake), and the rank it claimed once its peer passed every
+        # check, freed when the session closes (release_claim).
+        self.claims: RankClaims | None = None
+        self.claimed: int | None = None
+        self.source = ""  # FFN side: where the connection being handshaken comes from
 
     @property
     def has_secret(self) -> bool:
@@ -68,6 +136,12 @@ class Handshake:
     @property
     def last_refusal(self) -> str | None:
         return self.refusals[-1] if self.refusals else None
+
+    def release_claim(self) -> None:
+        """The claimed rank may be admitted again (the session ended or failed)."""
+        if self.claims is not None and self.claimed is not None:
+            self.claims.release(self.claimed)
+            self.claimed = None
 
     def add(self, other: "Handshake") -> None:
         """Count another handshake's failures and refusals here (a gate's
@@ -131,7 +205,8 @@ class Handshake:
             differ("max_tokens", f"at most {c.max_tokens}", hello.max_tokens)
         if hello.rank not in c.expected_peers():
             differ("rank", f"one of {c.expected_peers()}", hello.rank)
-        elif hello.rank in c._streams or hello.rank in self.busy:
+        elif hello.rank in c._streams or (self.claims is not None
+                                          and hello.rank in self.claims):
             problems.append(f"rank: attention rank {hello.rank} is already connected")
         unavailable = wire.FINGERPRINT_UNAVAILABLE
         for key in sorted(set(hello.fingerprint) & set(c.fingerprint)):
@@ -225,14 +300,19 @@ class Handshake:
         a mismatched configuration: told why, logged, counted; see refusals).
         The caller closes a dropped link and keeps accepting."""
         c = self.conn
+        self.source = source
         key = -1 - len(c._streams)  # temporary slot until the Hello names the rank
         c._streams[key] = link
         try:
             return self._admit(key, source, deadline)
         except _Dropped:
+            self.release_claim()
             c._streams.pop(key, None)
             c._failure = None  # the receive helpers marked the connector failed
             return None
+        except BaseException:
+            self.release_claim()
+            raise
 
     def _admit(self, key: int, source: str, deadline: float) -> int:
         c = self.conn
@@ -254,6 +334,11 @@ class Handshake:
         if problems:
             self._refuse(key, label, "; ".join(problems), deadline)
         peer = hello.rank
+        if self.claims is not None:
+            if not self.claims.claim(peer):  # another handshake admitted it meanwhile
+                self._refuse(key, label, f"rank: attention rank {peer} is already "
+                             f"connected", deadline)
+            self.claimed = peer
         c._streams[peer] = c._streams.pop(key)
         if hasattr(c._streams[peer], "name"):  # links that name their peer in messages
             c._streams[peer].name = label
@@ -320,8 +405,11 @@ class Handshake:
         self.failures += 1
         if auth_failure:
             self.auth_failures += 1
-        logger.warning("%s: dropping %s%s: %s", c.me, label,
-                       " during authentication" if auth_failure else "", error)
+        unlogged = KNOCKS.unlogged(c.address, self.source)
+        if unlogged is not None:
+            logger.warning("%s: dropping %s%s: %s%s", c.me, label,
+                           " during authentication" if auth_failure else "", error,
+                           KNOCKS.note(unlogged))
         raise _Dropped()
 
     def _refuse(self, key: int, label: str, reason: str, deadline: float,
@@ -334,8 +422,12 @@ class Handshake:
         self.failures += 1
         if auth_failure:
             self.auth_failures += 1
-            # Anyone can knock: a warning, not an error of this server.
-            logger.warning("%s refused %s: %s", c.me, label, reason)
+            # Anyone can knock: a warning, not an error of this server, and
+            # once a minute per source address.
+            unlogged = KNOCKS.unlogged(c.address, self.source)
+            if unlogged is not None:
+                logger.warning("%s refused %s: %s%s", c.me, label, reason,
+                               KNOCKS.note(unlogged))
         else:
             logger.error("%s refused %s: %s", c.me, label, reason)
         self._tell_peer(key, HelloAck(accepted=False, reason=reason[:wire.MAX_TEXT],

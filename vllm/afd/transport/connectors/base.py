@@ -87,6 +87,7 @@ from vllm.afd.transport.connectors.peer_step import PeerStep
 from vllm.afd.transport.device import DeviceOps
 from vllm.afd.transport.errors import (AFDConnectionError, AFDTimeoutError, LinkClosed,
                                        LinkTimeout, WaitCallback, What)
+from vllm.afd.transport.gate import Gate
 from vllm.afd.transport.handshake import Handshake
 from vllm.afd.transport.wire import ErrorFrame, LayerFrame, ProtocolError, StepHeader
 
@@ -181,7 +182,7 @@ class AFDConnector(AttentionSide, FFNSide, TransportHooks):
         self._closed = False
         self._failure: str | None = None
         self._closing = threading.Event()  # lets close() interrupt connect()'s waits
-        self._admitting: AFDConnector | None = None  # a session in its handshake (gate)
+        self._gate: Gate | None = None  # FFN side: admits sessions (accept_session)
         self._announced: dict[int, int] = {}  # peer -> payload length of its last message
         self._views: dict[Any, tuple] = {}  # see _typed_view
         # peer -> its current step (peer_step.py; the attention side's peer is 0)
@@ -248,42 +249,26 @@ class AFDConnector(AttentionSide, FFNSide, TransportHooks):
     def accept_session(self, timeout: float,
                        busy: Collection[int] = ()) -> "AFDConnector | None":
         """FFN side, after listen(): wait up to timeout seconds for one
-        attention peer, handshake it on a fresh connector of this class and
-        configuration and return that connector, connected to this one peer
-        (its session). None when nobody came, or when whoever came was
-        refused or dropped (told why, logged, and counted here: see
-        handshake.failures, .auth_failures, .refusals).
+        attention peer admitted by this connector's gate (../gate.py: each
+        incoming connection handshaken on a fresh connector of this class and
+        configuration, concurrently, each with its own deadline) and return
+        that connector, connected to this one peer (its session). None when
+        nobody was admitted meanwhile; whoever was refused or dropped was told
+        why, logged, and counted here (handshake.failures, .auth_failures,
+        .refusals).
 
         busy: attention ranks with a live session, refused as already
-        connected. It is consulted when the Hello arrives: pass a live view
+        connected. It is consulted when a Hello arrives: pass a live view
         (a dict's keys()) so a session that ended meanwhile frees its rank."""
-        incoming = self._next_link(timeout)
-        if incoming is None:
-            if self._closed:
-                raise AFDConnectionError(f"{self.me} was closed while it waited for "
-                                         f"attention peers at {self.address}")
-            return None
-        link, source = incoming
-        session = type(self)(self.afd_config, **self._init_kwargs)
-        session.handshake.busy = busy
-        self._admitting = session  # close() of the gate interrupts the handshake
-        peer = None
-        try:
-            if self._closed:
-                raise AFDConnectionError(f"{self.me} was closed")
-            peer = session.handshake.as_ffn(link, source,
-                                            time.monotonic() + self._hello_timeout())
-        finally:
-            self._admitting = None
-            self.handshake.add(session.handshake)
-            if peer is None:
-                link.close()
-                session.close()
-        if peer is None:
-            return None
-        session._connected = True
-        logger.info("%s: session with %s via %s at %s", self.me, session.peer_name(peer),
-                    self.name, self.address)
+        if self._closed:
+            raise AFDConnectionError(f"{self.me} was closed while it waited for "
+                                     f"attention peers at {self.address}")
+        if self._gate is None:
+            self._gate = Gate(self)
+        session = self._gate.next_session(timeout, busy)
+        if session is None and self._closed:
+            raise AFDConnectionError(f"{self.me} was closed while it waited for "
+                                     f"attention peers at {self.address}")
         return session
 
     def _accept_expected(self, deadline: float) -> None:
@@ -317,9 +302,10 @@ class AFDConnector(AttentionSide, FFNSide, TransportHooks):
             return
         self._closed = True
         self._closing.set()
-        admitting = self._admitting
-        if admitting is not None:
-            admitting.close()
+        gate = self._gate
+        if gate is not None:
+            gate.close()  # interrupts the handshakes in progress
+        self.handshake.release_claim()  # a gate's session: its rank may come again
         if self._connected and self._failure is None:
             goodbye = StepHeader(step_id=0, num_tokens=[], flags=wire.GOODBYE)
             self._farewell(goodbye)
