@@ -27,6 +27,7 @@ from collections.abc import Callable
 from vllm.afd.attention import status as link_status
 from vllm.afd.transport.config import LinkConfig, parse_endpoint
 from vllm.afd.transport.connectors.registry import create_connector
+from vllm.afd.transport.backoff import Backoff
 from vllm.afd.transport.errors import error_kind
 from vllm.afd.transport.wire import ProtocolError, Routing, StepHeader
 
@@ -100,7 +101,7 @@ class PoolMember:
         with pool.device.entered() as context:
             if pool.on_thread is not None:
                 pool.on_thread("afd-link", context)
-            backoff = RECONNECT_BACKOFF_S[0]
+            backoff = Backoff(*RECONNECT_BACKOFF_S)  # jittered (backoff.py)
             while not pool.closed.is_set():
                 if self.removed:
                     with pool.lock:
@@ -108,11 +109,10 @@ class PoolMember:
                             break
                 elif self.lead is None:
                     if not self._connect_once():
-                        self._wake.wait(backoff)
+                        self._wake.wait(backoff.next())
                         self._wake.clear()
-                        backoff = min(backoff * 2, RECONNECT_BACKOFF_S[1])
                         continue
-                    backoff = RECONNECT_BACKOFF_S[0]
+                    backoff.reset()
                     pool.publish()  # ready
                 elif self._check_idle():
                     pool.publish()  # dropped

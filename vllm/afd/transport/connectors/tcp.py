@@ -61,6 +61,7 @@ import time
 import torch
 
 from vllm.afd.transport import auth, wire
+from vllm.afd.transport.backoff import Backoff
 from vllm.afd.transport.buffers import HostSlots
 from vllm.afd.transport.connectors.base import (AFDConnectionError, AFDConnector,
                                                 WaitCallback, spin_us_setting)
@@ -74,7 +75,7 @@ logger = logging.getLogger(__name__)
 # A peer that connected must say Hello promptly; a silent client (port scanner)
 # must not hold the FFN's accept loop for the whole connect timeout.
 HELLO_TIMEOUT_S = 10.0
-RETRY_INTERVAL_S = (0.05, 0.5)  # connect retries back off between these
+RETRY_INTERVAL_S = (0.05, 0.5)  # connect retries back off between these (jittered)
 LISTEN_POLL_S = 0.1
 LISTEN_RETRY_S = 1.0
 
@@ -139,7 +140,7 @@ class SocketConnector(AFDConnector):
 
     def _dial(self, deadline: float) -> socket.socket:
         on_wait = self._waiter(self.peer_name(0), deadline, connecting=True)
-        retry = RETRY_INTERVAL_S[0]
+        retry = Backoff(*RETRY_INTERVAL_S)
         last_error = "no attempt yet"
         while True:
             remaining = self._wait_budget(
@@ -152,8 +153,7 @@ class SocketConnector(AFDConnector):
             except OSError as e:
                 last_error = e.strerror or str(e)
                 on_wait()
-                self._closing.wait(min(retry, max(remaining, 0)))
-                retry = min(retry * 2, RETRY_INTERVAL_S[1])
+                self._closing.wait(min(retry.next(), max(remaining, 0)))
                 continue
             configure_socket(sock)
             return sock
