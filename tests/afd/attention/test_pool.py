@@ -28,6 +28,7 @@ from roles import MAX_UBATCHES, AttentionRole, FFNRole, sample_batch  # noqa: E4
 from servers import free_port  # noqa: E402
 
 from vllm.afd.attention.pool import Pool  # noqa: E402
+from vllm.afd.transport import leftovers  # noqa: E402
 from vllm.afd.transport.config import LinkConfig  # noqa: E402
 from vllm.afd.transport.errors import AFDLinkDown  # noqa: E402
 from helpers.oracle import COMMON, run_oracle
@@ -155,6 +156,8 @@ def test_a_killed_member_mid_step_changes_no_output(ffns, num_ubatches, connecto
             assert doc["last_failover_seconds"] and max(
                 doc["last_failover_seconds"]) < FAILOVER_BOUND_S, doc["last_failover_seconds"]
         assert doc["state"] == "ready" and doc["steps"] == 6
+        # Nothing of AFD's in /dev/shm names the killed process (leftovers.py).
+        assert not [p.name for p in leftovers.SHM_DIR.glob(f"vllm-afd-*-{a.proc.pid}x*")]
     finally:
         role.close()
 

@@ -52,6 +52,7 @@ from vllm.afd.attention.step import Step
 from vllm.afd.attention.ubatch_rule import UbatchRule
 from vllm.afd.observability.metrics import LATENCY_BUCKETS_S, Histogram
 from vllm.afd.observability.stats import LinkStats, now
+from vllm.afd.transport import leftovers
 from vllm.afd.transport.config import LinkConfig
 from vllm.afd.transport.device import DeviceContext
 from vllm.afd.transport.errors import AFDLinkDown, StepAborted
@@ -186,6 +187,7 @@ class AttentionLink:
         with self._lock:
             if self._thread is not None or self._closed.is_set():
                 return
+            leftovers.remove_dead()  # shared memory of AFD processes killed before
             self._thread = threading.Thread(target=self._supervise, name="afd-link",
                                             daemon=True)
             self._thread.start()

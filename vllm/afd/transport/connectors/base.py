@@ -77,7 +77,7 @@ from typing import Any
 import msgspec
 import torch
 
-from vllm.afd.transport import auth, wire
+from vllm.afd.transport import auth, leftovers, wire
 from vllm.afd.transport.config import LinkConfig
 from vllm.afd.transport.connectors.attention_side import AttentionSide
 from vllm.afd.transport.connectors.codec import Packed, PayloadCodec
@@ -243,6 +243,7 @@ class AFDConnector(AttentionSide, FFNSide, TransportHooks):
             raise ValueError(f"{self.me}: listen() is the FFN side's API")
         if self._closed:
             raise AFDConnectionError(f"{self.me}: listen() after close()")
+        leftovers.remove_dead()  # shared memory of AFD processes killed before
         self._listen()
         logger.info("%s listening via %s at %s", self.me, self.name, self.address)
 

@@ -26,7 +26,7 @@ asynchronously on the consumer's current stream; an event guards the slot,
 which the peer may overwrite only after this side's next message, sent once
 the copy out of it has finished.
 
-Segment lifetime: names are vllm-afd-<port>-<peer>-<a2f|f2a>-<random>, made
+Segment lifetime: names are vllm-afd-<port>-<peer>-<a2f|f2a>-<pid>x<hex>, made
 by the connector that accepted the peer (a session of the listening gate, see
 base.py), which releases them on close; the gate holds only the listener. The
 attention side unlinks both names as soon as it has mapped them (both sides
@@ -59,7 +59,6 @@ benchmarks/results/link_latency.json and benchmarks/README.md.
 import logging
 import mmap
 import os
-import secrets
 import socket
 import sys
 import weakref
@@ -74,6 +73,7 @@ from vllm.afd.transport.connectors.base import (AFDConnectionError, LinkClosed,
 from vllm.afd.transport.connectors.shm_frames import ShmFrames
 from vllm.afd.transport.connectors.step_calls import StepCalls
 from vllm.afd.transport.connectors.tcp import SocketConnector
+from vllm.afd.transport.leftovers import owned_name
 from vllm.afd.transport.wire import LayerFrame, ProtocolError
 
 try:  # the module multiprocessing.shared_memory uses, without its resource tracker
@@ -263,7 +263,7 @@ class ShmConnector(StepCalls, SocketConnector):
     def _ack_transport(self, peer: int, hello_transport: bytes) -> bytes:
         size = self._segment_bytes
         tag = f"vllm-afd-{self.port}-{peer}"
-        suffix = secrets.token_hex(4)
+        suffix = owned_name("")  # the creator's pid: leftovers.remove_dead
         to_ffn = ShmSegment(f"{tag}-a2f-{suffix}", size, create=True)
         try:
             to_attention = ShmSegment(f"{tag}-f2a-{suffix}", size, create=True)
@@ -323,7 +323,7 @@ class ShmConnector(StepCalls, SocketConnector):
             if (not name.startswith(prefix) or not suffix.startswith(direction + "-")
                     or not suffix[4:].isalnum()):
                 raise ProtocolError(f"HelloAck.transport (shm) segments: expected names "
-                                    f"{prefix}{direction}-<hex>, received {name!r}")
+                                    f"{prefix}{direction}-<pid>x<hex>, received {name!r}")
         self.slot_bytes = ack.slot_bytes
         size = self._segment_bytes
         segments = []

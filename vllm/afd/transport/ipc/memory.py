@@ -18,13 +18,13 @@ nothing behind after the handshake.
 
 import mmap
 import os
-import secrets
 from dataclasses import dataclass
 
 import torch
 
 from vllm.afd.kernels import ops
 from vllm.afd.transport.ipc.layout import ABORT, CONTROL_WORDS
+from vllm.afd.transport.leftovers import owned_name
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "vllm-afd-ipc-"
@@ -68,7 +68,7 @@ class OwnRegion:
         self.device, self.nbytes = device, nbytes
         self._path: str | None = None
         if device.type == "cpu":
-            self._path = os.path.join(SHM_DIR, SHM_PREFIX + secrets.token_hex(8))
+            self._path = os.path.join(SHM_DIR, owned_name(SHM_PREFIX))  # leftovers.py
             fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.ftruncate(fd, nbytes)
