@@ -3,8 +3,11 @@
 """Shared fixtures. Tests run against the *installed* vllm-afd wheel (make test
 installs it), never against the repository's vendored vllm/ tree."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,6 +42,12 @@ os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO / "build" / "vllm-cache"))
 # tests that must see vLLM's real start method set it to 0.
 os.environ.setdefault("VLLM_AFD_TEST_PRELOAD", "1")
 os.environ.setdefault("VLLM_AFD_TEST_FORK_SPAWN", "1")
+# vLLM's ZMQ sockets (VLLM_RPC_BASE_PATH, /tmp by default) of every engine and
+# server the suite starts go to a directory of this run's, removed when it ends:
+# a SIGKILLed vLLM (the fault and pool tests kill servers) leaves them behind.
+_RPC_DIR = tempfile.mkdtemp(prefix="afd-rpc-")
+os.environ["VLLM_RPC_BASE_PATH"] = _RPC_DIR
+atexit.register(shutil.rmtree, _RPC_DIR, True)
 
 
 def pytest_configure(config):
