@@ -32,6 +32,7 @@ from vllm.afd.transport import leftovers  # noqa: E402
 from vllm.afd.transport.config import LinkConfig  # noqa: E402
 from vllm.afd.transport.errors import AFDLinkDown  # noqa: E402
 from helpers.oracle import COMMON, run_oracle
+from helpers.pool_stream import stream_losing_a_member
 
 FAILOVER_BOUND_S = 1.0  # the issue's bound; the step timeout (timeout_s) is 30 s
 
@@ -457,53 +458,11 @@ def test_an_ipc_member_lost_mid_step_runs_the_step_again(models_dir, tmp_path):
     killed, mid-stream. The step A held is aborted at its end and run again
     whole on B (the model's forward repeated, its KV entries written again):
     the stream completes with plain vLLM's greedy tokens."""
-    import json
+    from servers import metric_samples
 
-    import openai
-    from oracle import engine_cli_args
-    from servers import Server, cpu, metric_samples
-
-    model = models_dir / "tiny-qwen3-moe"
     tokens = 32
-    plain = run_oracle(model, tmp_path / "plain.json", num_prompts=1,
-                       extra=("--max-tokens", str(tokens)))["results"][0]
-    pool_file, base = tmp_path / "ffn-pool.txt", {"connector": "ipc", "timeout_s": 30}
-    servers, ffns = [], []
-    try:
-        for name in ("ffn-a", "ffn-b"):
-            port = free_port()
-            server = Server(str(model), [*COMMON, "--afd-role", "ffn", "--afd-config",
-                                         json.dumps({**base, "port": port})],
-                            log_path=tmp_path / f"{name}.log", name=name,
-                            env={"VLLM_CPU_OMP_THREADS_BIND": cpu(1)}).start()
-            server.afd_port = port
-            servers.append(server)
-            ffns.append(server)
-        pool_file.write_text("".join(f"127.0.0.1:{f.afd_port}\n" for f in ffns))
-        attention = Server(str(model), [
-            *COMMON, *engine_cli_args(model), "--afd-role", "attention", "--afd-config",
-            json.dumps({**base, "ffn_pool_file": str(pool_file)})],
-            log_path=tmp_path / "attention.log", name="attention",
-            env={"VLLM_CPU_OMP_THREADS_BIND": cpu(0)}).start()
-        servers.append(attention)
-        for server in servers:
-            server.wait_ready()
-        client = openai.OpenAI(base_url=attention.url + "/v1", api_key="x", max_retries=0,
-                               timeout=300)
-        ids = []
-        for i, chunk in enumerate(client.completions.create(
-                model=str(model), prompt=plain["prompt"], max_tokens=tokens, temperature=0,
-                stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})):
-            ids += chunk.choices[0].token_ids or []
-            if i == 4:  # frozen first: a step is surely waiting on it when it dies
-                os.killpg(ffns[0].proc.pid, signal.SIGSTOP)
-                time.sleep(1.0)
-                ffns[0].kill()
-        link = json.loads(attention.get("/afd/status")[1])["links"][0]
-        metrics = attention.get("/metrics")[1]
-    finally:
-        for server in servers:
-            server.stop()
-    assert ids == plain["token_ids"][:len(ids)] and len(ids) == tokens
+    run = stream_losing_a_member(models_dir / "tiny-qwen3-moe", tmp_path, "ipc", tokens)
+    ids, link = run["ids"], run["link"]
+    assert ids == run["plain"]["token_ids"][:len(ids)] and len(ids) == tokens
     assert link["aborted_steps"] >= 1 and link["failovers"] == 0, link
-    assert sum(metric_samples(metrics, "vllm_afd_aborted_steps_total").values()) >= 1
+    assert sum(metric_samples(run["metrics"], "vllm_afd_aborted_steps_total").values()) >= 1

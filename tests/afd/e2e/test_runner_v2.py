@@ -48,7 +48,8 @@ import vllm.afd.seams as afd_seams
 from vllm.afd.adapter.attention import runner
 from vllm.afd.attention.ubatch_rule import UbatchRule
 from helpers.families import check_routed
-from helpers.oracle import COMMON, ORACLE, assert_micro_batched, assert_routing, assert_same, ffn_server, ffn_stats, run_oracle
+from helpers.pool_stream import stream_losing_a_member
+from helpers.oracle import ORACLE, assert_micro_batched, assert_routing, assert_same, ffn_server, ffn_stats, run_oracle
 
 pytestmark = pytest.mark.slow
 
@@ -203,55 +204,10 @@ def test_pool_failover_on_v2_changes_no_token(models_dir, tmp_path, kernel_paths
     """An attention server on V2 with a pool of two FFN servers on V2 (shm):
     FFN A frozen and killed mid-stream, the stream completes with plain V2's
     greedy tokens, the lost step finished on B."""
-    import openai
-    import signal
-    import time
-
-    from oracle import engine_cli_args
-    from servers import Server
-
-    model = models_dir / "tiny-qwen3-moe"
     tokens = 32
-    plain = run_oracle(model, tmp_path / "plain.json", num_prompts=1, env=V2,
-                       extra=("--max-tokens", str(tokens)))["results"][0]
-    pool_file, base = tmp_path / "ffn-pool.txt", {"connector": "shm", "timeout_s": 30}
-    servers = []
-    try:
-        ffns = []
-        for name in ("ffn-a", "ffn-b"):
-            port = free_port()
-            server = Server(str(model), [*COMMON, "--afd-role", "ffn", "--afd-config",
-                                         json.dumps({**base, "port": port})],
-                            log_path=tmp_path / f"{name}.log", name=name,
-                            env={"VLLM_CPU_OMP_THREADS_BIND": cpu(1), **V2}).start()
-            server.afd_port = port
-            servers.append(server)
-            ffns.append(server)
-        pool_file.write_text("".join(f"127.0.0.1:{f.afd_port}\n" for f in ffns))
-        attention = Server(str(model), [
-            *COMMON, *engine_cli_args(model), "--afd-role", "attention", "--afd-config",
-            json.dumps({**base, "ffn_pool_file": str(pool_file)})],
-            log_path=tmp_path / "attention.log", name="attention",
-            env={"VLLM_CPU_OMP_THREADS_BIND": cpu(0), **V2}).start()
-        servers.append(attention)
-        for server in servers:
-            server.wait_ready()
-        client = openai.OpenAI(base_url=attention.url + "/v1", api_key="x", max_retries=0,
-                               timeout=300)
-        ids = []
-        for i, chunk in enumerate(client.completions.create(
-                model=str(model), prompt=plain["prompt"], max_tokens=tokens, temperature=0,
-                stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})):
-            ids += chunk.choices[0].token_ids or []
-            if i == 4:  # frozen first: a step is surely in flight on it when it dies
-                os.killpg(ffns[0].proc.pid, signal.SIGSTOP)
-                time.sleep(1.0)
-                ffns[0].kill()
-        link = json.loads(attention.get("/afd/status")[1])["links"][0]
-    finally:
-        for server in servers:
-            server.stop()
-    assert ids == plain["token_ids"][:len(ids)] and len(ids) == tokens
+    run = stream_losing_a_member(models_dir / "tiny-qwen3-moe", tmp_path, "shm", tokens, env=V2)
+    ids, link = run["ids"], run["link"]
+    assert ids == run["plain"]["token_ids"][:len(ids)] and len(ids) == tokens
     assert link["last_failover_seconds"], link
     for name in ("attention", "ffn-b"):
         assert "Using V2 Model Runner" in (tmp_path / f"{name}.log").read_text(), name
