@@ -41,8 +41,8 @@ class FakeStream:
     def __init__(self, control: torch.Tensor, deferred_s: float = 0.0,
                  fenced_stores: bool = True) -> None:
         """control: this side's control words (every operation is skipped
-        once they say IDLE or aborted). fenced_stores False is a broken device (its stores do not wait for
-        earlier writes): for negative controls."""
+        once they say IDLE or aborted). fenced_stores False is a broken device
+        (its stores do not wait for earlier writes): for negative controls."""
         self.control, self.deferred_s, self.fenced_stores = control, deferred_s, fenced_stores
         self._queue: queue.Queue = queue.Queue()
         self._pending: list[threading.Timer] = []

@@ -21,6 +21,13 @@ SILENT = 64
 SLOW = 16
 
 
+def wait_until(predicate, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"after {timeout:g}s: {what}"
+        time.sleep(0.02)
+
+
 class Loop:
     """The FFN loop's accept side: accept_session() over and over, the
     admitted sessions kept (busy: their ranks)."""
@@ -40,11 +47,14 @@ class Loop:
     def session(self, peer: int = 0, timeout: float = 5.0):
         """peer's session, once the loop has it (the peer's connect() returns
         when its side is done)."""
-        deadline = time.monotonic() + timeout
-        while peer not in self.sessions:
-            assert time.monotonic() < deadline, f"no session for attention rank {peer}"
-            time.sleep(0.01)
+        wait_until(lambda: peer in self.sessions, f"no session for attention rank {peer}",
+                   timeout)
         return self.sessions[peer]
+
+    def end_session(self, peer: int = 0) -> None:
+        """Close peer's session (the rank may connect again)."""
+        self.session(peer).close()
+        del self.sessions[peer]
 
     def close(self) -> None:
         self.stop.set()
@@ -77,8 +87,7 @@ def test_idle_slow_and_stormy_connections_never_hold_the_gate():
     loop = Loop(make("tcp", "ffn", port, timeout_s=10))  # a Hello may take 10 s
     try:
         baseline = time_to_connect(port)
-        loop.session().close()
-        loop.sessions.pop(0)
+        loop.end_session()
         fds = open_fds()
         silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(SILENT)]
         stop = threading.Event()
@@ -104,21 +113,18 @@ def test_idle_slow_and_stormy_connections_never_hold_the_gate():
             w.start()
         time.sleep(1.0)  # all of them at the gate
         attacked = time_to_connect(port)
+        loop.end_session()
         stop.set()
         for w in workers:
             w.join(5)
         for s in silent:
             s.close()
-        loop.session().close()
-        loop.sessions.pop(0)
         gate = loop.listener._gate
         assert attacked < baseline + 1.0, (baseline, attacked)
         assert gate.evicted > 0  # more came than the gate keeps pending
-        deadline = time.monotonic() + 15  # the Hello timeout ends every one left
-        while (gate.pending() or open_fds() > fds) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert gate.pending() == 0
-        assert open_fds() <= fds, (open_fds(), fds)
+        # The Hello timeout (10 s) ends every pending handshake left.
+        wait_until(lambda: gate.pending() == 0 and open_fds() <= fds,
+                   f"pending {gate.pending()}, descriptors {open_fds()} (baseline {fds})", 15)
     finally:
         loop.close()
 
@@ -134,9 +140,7 @@ def test_a_flood_from_one_source_evicts_its_own_oldest():
     silent = []
     try:
         silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(10)]
-        deadline = time.monotonic() + 5
-        while listener._gate.evicted < 6 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: listener._gate.evicted >= 6, "6 evictions")
         assert listener._gate.evicted == 6 and listener._gate.pending() == 4
         assert time_to_connect(port) < 2.0
         assert loop.session() is not None
@@ -168,9 +172,9 @@ def test_one_rank_gets_one_session_however_its_handshakes_race():
             except ProtocolError as e:
                 errors.append(str(e))
         assert len(errors) == 1 and "attention rank 0 is already connected" in errors[0]
-        loop.session().close()
+        loop.session()
         assert list(loop.sessions) == [0]
-        loop.sessions.pop(0)
+        loop.end_session()
         assert time_to_connect(port) < 5.0
         assert loop.session() is not None
     finally:
@@ -192,10 +196,8 @@ def test_closing_the_listener_ends_pending_handshakes(kind):
     else:
         s = socket.create_connection(address)
     try:
-        deadline = time.monotonic() + 5
-        while loop.listener._gate is None or not loop.listener._gate.pending():
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until(lambda: loop.listener._gate is not None and loop.listener._gate.pending(),
+                   "a pending handshake")
         t0 = time.monotonic()
         loop.close()
         assert time.monotonic() - t0 < 5.0

@@ -449,7 +449,7 @@ class AttentionLink:
         runs again whole on another member, as long as one is left: run()
         must be repeatable, as a model's forward is (the same tokens write the
         same KV entries)."""
-        for runs_left in range(MAX_STEP_RUNS - 1, -1, -1):
+        for run_number in range(1, MAX_STEP_RUNS + 1):
             self.begin_step(forward)
             ran, aborted = False, None
             try:
@@ -462,11 +462,11 @@ class AttentionLink:
                     self.end_step(failed=not ran)
                 except StepAborted as e:
                     aborted = e
-            if aborted is None:
-                return result
-            if not runs_left:
-                raise aborted
-        raise AssertionError("unreachable")
+            if aborted is None or run_number == MAX_STEP_RUNS:
+                break
+        if aborted is not None:
+            raise aborted
+        return result
 
     def _end_step(self, failed: bool) -> None:
         step, self.step, self.forward_pass = self.step, None, None

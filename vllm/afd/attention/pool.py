@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable
 
 from vllm.afd.attention import status as link_status
+from vllm.afd.transport.backoff import Backoff
 from vllm.afd.transport.config import LinkConfig, parse_endpoint
 from vllm.afd.transport.connectors.registry import create_connector
-from vllm.afd.transport.backoff import Backoff
 from vllm.afd.transport.errors import error_kind
 from vllm.afd.transport.wire import ProtocolError, Routing, StepHeader
 

@@ -113,9 +113,8 @@ class StepResume:
                     failed.failed_over += 1
                     failed.fail(error)
                 step.use(None)
-            name = getattr(failed, "name", "the FFN server")
             self.aborted_steps += 1
-            step.aborted = StepAborted(f"AFD attention rank {self.rank}: lost {name} at "
+            step.aborted = StepAborted(f"AFD attention rank {self.rank}: lost {failed.name} at "
                                        f"{where} of step {step.id}: {error}")
             logger.warning("%s; the step runs again whole", step.aborted)
             self._publish()

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm.afd.transport import leftovers
+
 logger = logging.getLogger(__name__)
 
 ENV_STATUS_DIR = "VLLM_AFD_STATUS_DIR"
@@ -77,14 +79,8 @@ def remove_orphans(base: Path) -> None:
         owner = path.name[len(PREFIX):].split("-", 1)[0]
         if not owner.isdigit():
             continue
-        if int(owner) != os.getpid():
-            try:
-                os.kill(int(owner), 0)
-                continue  # alive
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue  # alive, another user's
+        if int(owner) != os.getpid() and leftovers.alive(int(owner)):
+            continue
         logger.debug("AFD: removing %s (its server is gone)", path)
         shutil.rmtree(path, ignore_errors=True)
 

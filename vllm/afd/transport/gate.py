@@ -15,8 +15,9 @@ oldest pending handshake (of its source when its source is over, else of
 all): a real attention server speaks within milliseconds, so the oldest
 pending handshake is the one most likely silent, and a flood only churns
 itself (it cannot keep a newer connection of the same address out, which may
-be the real server behind the same NAT). Evictions are counted
-(`evicted`) and logged once per source per LOG_EVERY_S, not per connection.
+be the real server behind the same NAT). Evictions are counted (`evicted`,
+and as handshake failures) and logged once a minute per source
+(handshake.KnockLog), not per connection.
 Threads, descriptors and memory stay bounded by MAX_PENDING.
 
 Two handshakes for one attention rank may run at once (a server redialing
@@ -31,22 +32,20 @@ import threading
 import time
 from typing import Any
 
-from vllm.afd.transport.handshake import RankClaims
+from vllm.afd.transport.handshake import KNOCKS, RankClaims, source_host
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING = 64  # handshakes running at once, in all
 MAX_PENDING_PER_SOURCE = 16  # ... from one source address
-LOG_EVERY_S = 60.0  # evictions of one source are logged at most this often
 ACCEPT_POLL_S = 0.1  # how often the accepting thread looks at close()
 
 
 class _Pending:
-    __slots__ = ("session", "link", "host", "started")
+    __slots__ = ("session", "link", "host")
 
     def __init__(self, session, link, host: str) -> None:
         self.session, self.link, self.host = session, link, host
-        self.started = time.monotonic()
 
 
 class Gate:
@@ -60,7 +59,6 @@ class Gate:
         self.evicted = 0  # pending handshakes dropped for a newer connection
         self._admitted: queue.Queue = queue.Queue()  # sessions, or errors to raise
         self._pending: list[_Pending] = []  # oldest first
-        self._logged: dict[str, float] = {}  # source -> when its evictions were logged
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -121,7 +119,7 @@ class Gate:
 
     def _start(self, link, source: str) -> None:
         """A handshake for link on a thread of its own, room made first."""
-        host = source.rsplit(":", 1)[0] if ":" in source else source
+        host = source_host(source)
         try:
             listener = self.listener
             session = type(listener)(listener.afd_config, **listener._init_kwargs)
@@ -154,17 +152,12 @@ class Gate:
         return victim
 
     def _note_eviction(self, host: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            last = self._logged.get(host)
-            if last is not None and now - last < LOG_EVERY_S:
-                return
-            self._logged[host] = now
-            evicted = self.evicted
-        logger.warning("%s: too many pending handshakes from %s (at most %d per source, %d "
-                       "in all): the oldest dropped (%d so far; logged once a minute per "
-                       "source)", self.listener.me, host, self.max_per_source,
-                       self.max_pending, evicted)
+        unlogged = KNOCKS.unlogged(f"{self.listener.address} (evictions)", host)
+        if unlogged is not None:
+            logger.warning("%s: too many pending handshakes from %s (at most %d per source, "
+                           "%d in all): the oldest dropped (%d in all so far)%s",
+                           self.listener.me, host, self.max_per_source, self.max_pending,
+                           self.evicted, KNOCKS.note(unlogged))
 
     def _handshake(self, entry: _Pending, source: str) -> None:
         listener, session = self.listener, entry.session

@@ -43,11 +43,17 @@ class _Dropped(Exception):
     and counted)."""
 
 
+def source_host(source: str) -> str:
+    """The address of a connection's source "host:port" (a peer's name as
+    transports give it: "local peer", a rank, stay as they are)."""
+    return source.rsplit(":", 1)[0] if ":" in source else source
+
+
 class KnockLog:
     """Connections dropped before they proved anything (silent, not AFD, a
     wrong secret) are logged at most once per LOG_EVERY_S per (listening
-    address, source address): a scanner or a flood must not fill the log. The next line says
-    how many went unlogged; the counters count every one."""
+    address, source address): a scanner or a flood must not fill the log.
+    The next line says how many went unlogged; the counters count every one."""
 
     LOG_EVERY_S = 60.0
 
@@ -57,7 +63,7 @@ class KnockLog:
 
     def unlogged(self, address: str, source: str) -> int | None:
         """None: do not log this one; else how many were not logged before it."""
-        host = source.rsplit(":", 1)[0] if ":" in source else source
+        host = source_host(source)
         now = time.monotonic()
         with self._lock:
             entry = self._sources.setdefault((address, host), [None, 0])
